@@ -1,0 +1,31 @@
+# The one install path (README, tests, CI): a venv with the exact set in requirements/cpu.txt.
+# --no-deps because torchrec declares the CUDA-only `fbgemm-gpu`; cpu.txt lists every real
+# dependency instead, with `fbgemm-gpu-cpu` in its place.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lightning-ett-installed
+
+.PHONY: install example test bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements/cpu.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --no-deps -r requirements/cpu.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, fbgemm_gpu, torchrec, lightning, wandb; print('lightning-ett env ok: torch', torch.__version__)"
+	touch $(STAMP)
+
+# Main job: the TorchRec DLRM example on 2 CPU processes (gloo), W&B offline unless WANDB_API_KEY is set.
+example: install
+	$(PY) examples/dlrm_example.py fit --config examples/dlrm.yaml
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/monitor_overhead.py
+
+clean:
+	rm -rf $(VENV) ett_runs lightning_logs wandb

@@ -1,0 +1,248 @@
+"""ETTMonitor: records where a Lightning job's wall time goes, and reports ETT%."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_ett.environment import ENV_LAUNCHER, JobContext, import_time, resolve_job_context
+from lightning_ett.ledger import read_ledger
+from lightning_ett.summary import Summary, summarize
+from lightning_ett.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
+
+
+class ETTMonitor(Callback):
+    r"""Record the phases of a Lightning job and report its Effective Training Time.
+
+    Phases come from Lightning's hooks, with no device synchronization (Lightning's
+    ``ThroughputMonitor`` syncs CUDA every batch; this callback never touches the device):
+
+    * ``import``: process start → ``lightning_ett`` imported.
+    * ``process_group_init``: callback built → ``setup`` (Trainer init, launcher, process group).
+    * ``model_init``: ``setup`` → ``on_fit_start`` (``configure_model``, strategy setup).
+    * ``data_init``: ``on_fit_start`` → first batch (loop restore, data-loader start-up).
+    * ``train``: each training-step interval, data fetch included; ``eval`` (validation,
+      sanity check, test) and ``checkpoint_save`` / ``checkpoint_load`` (timed around
+      ``trainer.save_checkpoint`` and ``strategy.load_checkpoint``) nested inside it are not.
+    * ``shutdown``: end of training → process exit.
+
+    Other components add phases with :func:`lightning_ett.record_phase`.
+
+    Args:
+        run_dir: the job's run directory (ledger, ``ett_summary.json``, PNG). Defaults to
+            ``$LIGHTNING_ETT_RUN_DIR`` or ``./ett_runs/<job id>``. Restarts that pass the same
+            directory are attempts of one job.
+        log_every_n_steps: how often (training steps) rank zero logs ``ett/percent`` and
+            ``ett/<phase>_s`` to every attached logger; the final values are logged at the end.
+        report_on_end: print the rich table at the end of ``fit`` (a launcher prints its own).
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, log_every_n_steps: int = 50, report_on_end: bool = True) -> None:
+        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
+            raise ValueError(f"ETTMonitor(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1, e.g. 50.")
+        if run_dir is not None and not isinstance(run_dir, (str, Path)):
+            raise TypeError(f"ETTMonitor(run_dir={run_dir!r}): expected a path (str or Path) or None.")
+        self.log_every_n_steps = log_every_n_steps
+        self.report_on_end = report_on_end
+        # Resolved now, not at setup: Lightning spawns the other ranks before `setup`, and
+        # they must inherit this job's id, start and attempt through the environment.
+        self.context: JobContext = resolve_job_context(run_dir)
+        self._timeline: Timeline = get_timeline()
+        self._mark = time.time()
+        self._step_start: float | None = None
+        self._batch_step: int | None = None
+        self._eval_start: float | None = None
+        self._prior: Summary | None = None
+        self._restore: list[Callable[[], None]] = []
+        if not getattr(self._timeline, "import_recorded", False):
+            imported = import_time()
+            self._timeline.record(Phase.IMPORT, min(self.context.process_start, imported), imported)
+            self._timeline.import_recorded = True  # type: ignore[attr-defined]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.context.run_dir
+
+    # ------------------------------------------------------------------ start-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        ctx = self.context
+        header = {"job_id": ctx.job_id, "job_start": ctx.job_start, "attempt_start": ctx.attempt_start,
+                  "process_start": ctx.process_start, "world_size": trainer.world_size}
+        self._timeline.bind(ctx.run_dir, trainer.global_rank, ctx.attempt, header)
+        now = time.time()
+        self._timeline.record(Phase.PROCESS_GROUP_INIT, self._mark, now)
+        self._mark = now
+        self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
+        self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
+
+    def _wrap(self, owner: Any, name: str, phase: Phase) -> None:
+        """Time a method Lightning calls but announces with no 'after' hook."""
+        original = getattr(owner, name)
+        if getattr(original, "_ett_wrapped", False):
+            return
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._timeline.record(phase, start, time.time())
+
+        timed._ett_wrapped = True  # type: ignore[attr-defined]
+        setattr(owner, name, timed)
+        self._restore.append(lambda: owner.__dict__.pop(name, None))
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark = self._close(Phase.MODEL_INIT, self._mark)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._prior = self._summarize_prior_attempts(trainer.global_step)
+
+    def _summarize_prior_attempts(self, resume_step: int) -> Summary | None:
+        """Rank zero's view of earlier attempts, for the live ETT% (read once per attempt)."""
+        ledgers = [lg for lg in read_ledger(self.run_dir) if lg.attempt < self.context.attempt and lg.rank == 0]
+        if not any(lg.events for lg in ledgers):
+            return None
+        return summarize(ledgers, later_resume_step=resume_step)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._step_start is None:
+            self._step_start = self._close(Phase.DATA_INIT, self._mark)
+        self._batch_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self._step_start is not None
+        self._step_start = self._close(Phase.TRAIN, self._step_start, self._batch_step)
+        if trainer.is_global_zero and trainer.global_step % self.log_every_n_steps == 0 and trainer.loggers:
+            self._log(trainer, self.live_metrics())
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timeline.shutdown_from = time.time()  # recorded as `shutdown` when the process exits
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timeline.set_status("finished")
+
+    # ------------------------------------------------------------------ evaluation
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start = time.time()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_eval()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._eval_start = time.time()
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close_eval()
+
+    def _close_eval(self) -> None:
+        if self._eval_start is not None:
+            self._close(Phase.EVAL, self._eval_start)
+            self._eval_start = None
+
+    def _close(self, phase: Phase, start: float, step: int | None = None) -> float:
+        end = time.time()
+        self._timeline.record(phase, start, end, step)
+        return end
+
+    # ------------------------------------------------------------------ reporting
+    def live_metrics(self) -> dict[str, float]:
+        """Rank zero's running ETT: earlier attempts (from the ledger) plus this attempt."""
+        seconds = dict.fromkeys(PHASE_NAMES, 0.0)
+        job_start = self.context.job_start
+        if self._prior is not None:
+            job_start = min(job_start, self._prior.job_start)
+            for phase, value in self._prior.phases.items():
+                seconds[phase] += value
+        for phase, value in self._timeline.exclusive_s.items():
+            seconds[phase] += value
+        wall = max(time.time() - job_start, 1e-9)
+        metrics = {f"ett/{phase}_s": value for phase, value in seconds.items() if value > 0}
+        metrics.update({"ett/percent": 100.0 * seconds[Phase.TRAIN.value] / wall, "ett/wall_s": wall,
+                        "ett/effective_s": seconds[Phase.TRAIN.value], "ett/lost_s": seconds[LOST]})
+        return metrics
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for restore in reversed(self._restore):
+            restore()
+        self._restore.clear()
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        summary = summarize(read_ledger(self.run_dir), now=time.time())
+        metrics = {f"ett/{phase}_s": value for phase, value in summary.phases.items() if value > 0}
+        metrics.update({"ett/percent": summary.ett_percent, "ett/wall_s": summary.wall_s,
+                        "ett/effective_s": summary.effective_s, "ett/lost_s": summary.lost_s})
+        self._log(trainer, metrics)
+        from lightning_ett.report import REPORT_PNG, write_report
+
+        show = self.report_on_end and not _under_launcher()
+        write_report(summary, self.run_dir, show=show)
+        self._log_wandb(trainer, summary, self.run_dir / REPORT_PNG)
+
+    @staticmethod
+    def _log_wandb(trainer: pl.Trainer, summary: Summary, png: Path) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                from lightning_ett.callbacks.wandb_report import log_breakdown
+
+                log_breakdown(logger.experiment, summary, png)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._timeline.set_status("failed")
+        self._timeline.shutdown_from = time.time()
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"job_id": self.context.job_id, "job_start": self.context.job_start, "run_dir": str(self.run_dir)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("job_id") == self.context.job_id:
+            job_start = min(float(state_dict["job_start"]), self.context.job_start)
+            self._timeline.amend_header(job_start=job_start)
+            self.context = JobContext(**{**vars(self.context), "job_start": job_start})
+        else:
+            rank_zero_warn(
+                f"ETTMonitor: this checkpoint was written by ETT job {state_dict.get('job_id')!r} "
+                f"(run_dir {state_dict.get('run_dir')!r}), not by this job ({self.context.job_id!r}). Its wall time "
+                "and lost steps are not counted here; pass that run_dir to ETTMonitor (or set "
+                "LIGHTNING_ETT_RUN_DIR) to count the restart as another attempt of the same job."
+            )
+
+
+def _under_launcher() -> bool:
+    import os
+
+    return os.environ.get(ENV_LAUNCHER) == "1"

@@ -1,0 +1,109 @@
+"""Append-only, crash-safe event ledger: one JSON-lines file per rank and attempt.
+
+Layout: ``RUN_DIR/ledger/attempt-0003/rank-00001.jsonl``. Each record is written with a
+single ``os.write`` on an ``O_APPEND`` descriptor, so a SIGKILL loses at most the record
+being written, and a reader skips a torn last line. No ``fsync`` per record: the records
+must survive the process, not the machine, and an fsync per training step would cost more
+than the step on a network filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LEDGER_DIR = "ledger"
+_FILE_RE = re.compile(r"attempt-(\d+)/rank-(\d+)\.jsonl$")
+
+
+def ledger_path(run_dir: Path, attempt: int, rank: int) -> Path:
+    return Path(run_dir) / LEDGER_DIR / f"attempt-{attempt:04d}" / f"rank-{rank:05d}.jsonl"
+
+
+def rank_ledger_files(run_dir: Path, rank: int) -> list[Path]:
+    return sorted((Path(run_dir) / LEDGER_DIR).glob(f"attempt-*/rank-{rank:05d}.jsonl"))
+
+
+class LedgerWriter:
+    """Appends records to one rank's ledger file for one attempt."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as err:
+            raise PermissionError(
+                f"lightning-ett cannot write its ledger under {str(self.path.parent)!r} ({err.strerror}). "
+                "Pass a writable `run_dir` to ETTMonitor or set LIGHTNING_ETT_RUN_DIR."
+            ) from err
+
+    def append(self, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass
+class RankLedger:
+    """Everything one rank recorded during one attempt."""
+
+    attempt: int
+    rank: int
+    header: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    status: str | None = None  # "finished" or "failed" once the attempt ended on this rank
+    torn_lines: int = 0
+
+
+def _read_records(path: Path) -> Iterator[dict[str, Any] | None]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield None  # a record torn by a kill mid-write
+
+
+def read_ledger(run_dir: str | os.PathLike) -> list[RankLedger]:
+    """Read every rank's ledger of every attempt under ``run_dir``, in (attempt, rank) order."""
+    root = Path(run_dir) / LEDGER_DIR
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"No ETT ledger under {str(run_dir)!r}: expected {str(root)!r}. "
+            "Is this the run directory of a job that used ETTMonitor?"
+        )
+    ledgers = []
+    for path in sorted(root.glob("attempt-*/rank-*.jsonl")):
+        match = _FILE_RE.search(path.as_posix())
+        if match is None:
+            continue
+        ledger = RankLedger(attempt=int(match.group(1)), rank=int(match.group(2)))
+        for record in _read_records(path):
+            if record is None:
+                ledger.torn_lines += 1
+            elif record.get("kind") == "header":
+                # Later header records amend earlier ones (e.g. a job start learned on resume).
+                earlier_start = ledger.header.get("job_start")
+                ledger.header.update(record)
+                if earlier_start is not None and record.get("job_start") is not None:
+                    ledger.header["job_start"] = min(earlier_start, record["job_start"])
+            elif record.get("kind") == "event":
+                ledger.events.append(record)
+            elif record.get("kind") == "status":
+                ledger.status = record.get("status")
+        ledgers.append(ledger)
+    return ledgers

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_ett import timeline
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.fixture(autouse=True)
+def isolated_job(monkeypatch: pytest.MonkeyPatch) -> timeline.Timeline:
+    """Each test is its own job: no LIGHTNING_ETT_* leaks between tests, a fresh timeline."""
+    for key in list(os.environ):
+        if key.startswith("LIGHTNING_ETT_"):
+            monkeypatch.delenv(key)
+    fresh = timeline.Timeline()
+    monkeypatch.setattr(timeline, "_TIMELINE", fresh)
+    yield fresh
+    fresh.close()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
+    env.update({"PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}, **extra)
+    return env
+
+
+def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )

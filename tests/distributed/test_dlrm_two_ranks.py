@@ -1,0 +1,50 @@
+"""The DLRM example on 2 real gloo ranks (Lightning DDP launcher) with ETTMonitor attached."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import pytest
+
+from conftest import REPO, run_script
+from lightning_ett import summarize_run_dir
+from lightning_ett.ledger import read_ledger
+
+
+def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_path):
+    run_dir = tmp_path / "ett_run"
+    started = time.time()
+    proc = run_script(
+        str(REPO / "examples" / "dlrm_example.py"), "fit", "--config", str(REPO / "examples" / "dlrm.yaml"),
+        "--trainer.max_steps", "40", "--trainer.val_check_interval", "20", "--trainer.limit_val_batches", "4",
+        "--data.batch_size", "256",
+        cwd=tmp_path, timeout=300, LIGHTNING_ETT_RUN_DIR=str(run_dir),
+    )
+    finished = time.time()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    ledgers = read_ledger(run_dir)
+    assert sorted(lg.rank for lg in ledgers) == [0, 1]
+    for lg in ledgers:
+        assert lg.header["world_size"] == 2 and lg.status == "finished"
+        assert sorted(e["step"] for e in lg.events if e["phase"] == "train") == list(range(40))
+
+    s = summarize_run_dir(run_dir)
+    for rank, totals in s.per_rank.items():
+        assert sum(totals.values()) == pytest.approx(s.wall_s, rel=1e-6), rank
+        assert totals["train"] > 0 and totals["eval"] > 0 and totals["model_init"] > 0
+    # Rank 1 starts after rank 0 spawned it: that wait is its `launch` time.
+    assert s.per_rank[1]["launch"] > 0.5 and s.per_rank[0]["launch"] < 0.05
+    assert -0.05 < (finished - started) - s.wall_s < 1.5  # see test_monitor for the tolerance
+    assert 0 < s.ett_percent < 100
+
+    (metrics_csv,) = (tmp_path / "ett_runs").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_csv.open()))
+    assert any(r.get("val/auroc") for r in rows) and any(r.get("val/ne") for r in rows)
+    assert any(r.get("ett/percent") for r in rows)
+
+    report = run_script("-m", "lightning_ett.cli", "report", str(run_dir))
+    assert report.returncode == 0 and "train" in report.stdout
+    assert json.loads((run_dir / "ett_summary.json").read_text())["attempts"] == 1

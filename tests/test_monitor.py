@@ -1,0 +1,91 @@
+"""ETTMonitor on Lightning's BoringModel: real Trainer, real checkpoints, real ledger files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from conftest import SCRIPTS, run_script
+from lightning_ett import ETTMonitor, summarize_run_dir
+from lightning_ett.ledger import read_ledger
+
+
+def test_phases_cover_the_process_wall_time_and_saves_and_eval_are_not_effective(tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.time()
+    proc = run_script(
+        str(SCRIPTS / "boring_job.py"), "--run-dir", str(run_dir), "--ckpt-dir", str(tmp_path / "ckpt"),
+        "--max-steps", "30", "--step-sleep", "0.02", "--save-every", "10", "--save-sleep", "0.3",
+        "--val-every", "15", "--val-sleep", "0.1",
+    )
+    finished = time.time()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ETT" in proc.stdout  # the rich table printed at the end of fit
+
+    s = summarize_run_dir(run_dir)
+    # The ledger's clock agrees with an outside observer. Tolerance 1.2 s: the interpreter's
+    # teardown after the last exit handler (~0.7 s for torch + Lightning here) is invisible
+    # from inside the process; the launcher measures it.
+    assert -0.05 < (finished - started) - s.wall_s < 1.2, (s.wall_s, finished - started)
+    assert sum(s.phases.values()) == pytest.approx(s.wall_s, rel=1e-6)
+    assert s.phases["checkpoint_save"] >= 3 * 0.3  # saves at steps 10, 20, 30
+    assert s.phases["eval"] >= 2 * 2 * 0.1  # 2 validations x 2 batches
+    assert 30 * 0.02 <= s.effective_s < 30 * 0.02 + 1.5  # the sleeps above did not leak into train
+    assert s.phases["import"] > 0.5 and s.phases["process_group_init"] > 0
+    assert s.phases["shutdown"] > 0 and s.completed
+    events = read_ledger(run_dir)[0].events
+    assert sorted(e["step"] for e in events if e["phase"] == "train") == list(range(30))
+
+    summary_json = json.loads((run_dir / "ett_summary.json").read_text())
+    for key in ("ett_percent", "wall_s", "effective_s", "lost_s", "attempts", "phases"):
+        assert key in summary_json
+    assert (run_dir / "ett_report.png").stat().st_size > 10_000
+
+
+def test_monitor_logs_to_any_logger_without_wandb_installed(tmp_path):
+    proc = run_script(
+        str(SCRIPTS / "boring_job.py"), "--run-dir", str(tmp_path / "run"), "--csv-dir", str(tmp_path / "csv"),
+        "--max-steps", "12", "--block-wandb",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (metrics_csv,) = Path(tmp_path / "csv").rglob("metrics.csv")
+    rows = list(csv.DictReader(metrics_csv.open()))
+    logged = [r for r in rows if r.get("ett/percent")]
+    assert [int(r["step"]) for r in logged][:2] == [5, 10]  # every log_every_n_steps=5, then the final row
+    final = logged[-1]
+    assert 0 < float(final["ett/percent"]) < 100
+    assert float(final["ett/train_s"]) > 0 and float(final["ett/import_s"]) > 0
+
+
+def test_unwritable_run_dir_fails_at_setup_naming_the_path(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    bad = blocker / "run"
+    trainer = Trainer(max_steps=1, callbacks=[ETTMonitor(run_dir=bad)], logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False)
+    with pytest.raises(PermissionError, match=str(bad)):
+        trainer.fit(BoringModel())
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True, "10"])
+def test_bad_log_interval_is_rejected_naming_the_argument(value):
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        ETTMonitor(log_every_n_steps=value)
+
+
+def test_state_survives_resume_and_warns_on_foreign_job(tmp_path):
+    first = ETTMonitor(run_dir=tmp_path / "a")
+    state = first.state_dict()
+    assert state["job_id"] == first.context.job_id and state["job_start"] == first.context.job_start
+    same_job = ETTMonitor(run_dir=tmp_path / "a")  # the env exported by `first` makes it the same job
+    earlier = dict(state, job_start=state["job_start"] - 100.0)
+    same_job.load_state_dict(earlier)
+    assert same_job.context.job_start == earlier["job_start"]
+    with pytest.warns(UserWarning, match="not by this job"):
+        same_job.load_state_dict(dict(state, job_id="someone-else"))
