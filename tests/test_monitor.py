@@ -89,3 +89,11 @@ def test_state_survives_resume_and_warns_on_foreign_job(tmp_path):
     assert same_job.context.job_start == earlier["job_start"]
     with pytest.warns(UserWarning, match="not by this job"):
         same_job.load_state_dict(dict(state, job_id="someone-else"))
+
+
+def test_monitor_pickles_for_spawn_based_launchers(tmp_path):
+    import pickle
+
+    monitor = ETTMonitor(run_dir=tmp_path)
+    clone = pickle.loads(pickle.dumps(monitor))
+    assert clone.run_dir == monitor.run_dir and clone.state_dict() == monitor.state_dict()

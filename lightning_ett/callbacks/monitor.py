@@ -55,17 +55,22 @@ class ETTMonitor(Callback):
         # Resolved now, not at setup: Lightning spawns the other ranks before `setup`, and
         # they must inherit this job's id, start and attempt through the environment.
         self.context: JobContext = resolve_job_context(run_dir)
-        self._timeline: Timeline = get_timeline()
         self._mark = time.time()
         self._step_start: float | None = None
         self._batch_step: int | None = None
         self._eval_start: float | None = None
         self._prior: Summary | None = None
+        self._logged_step = -1
         self._restore: list[Callable[[], None]] = []
         if not getattr(self._timeline, "import_recorded", False):
             imported = import_time()
             self._timeline.record(Phase.IMPORT, min(self.context.process_start, imported), imported)
             self._timeline.import_recorded = True  # type: ignore[attr-defined]
+
+    @property
+    def _timeline(self) -> Timeline:
+        # Looked up, not stored: the callback must stay picklable (ddp_spawn, LightningCLI).
+        return get_timeline()
 
     @property
     def run_dir(self) -> Path:
@@ -129,7 +134,9 @@ class ETTMonitor(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self._step_start is not None
         self._step_start = self._close(Phase.TRAIN, self._step_start, self._batch_step)
-        if trainer.is_global_zero and trainer.global_step % self.log_every_n_steps == 0 and trainer.loggers:
+        step = trainer.global_step
+        if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step != self._logged_step and trainer.loggers:
+            self._logged_step = step  # once per optimizer step, also under gradient accumulation
             self._log(trainer, self.live_metrics())
 
     @override
