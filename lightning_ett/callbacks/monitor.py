@@ -185,11 +185,7 @@ class ETTMonitor(Callback):
                 seconds[phase] += value
         for phase, value in self._timeline.exclusive_s.items():
             seconds[phase] += value
-        wall = max(time.time() - job_start, 1e-9)
-        metrics = {f"ett/{phase}_s": value for phase, value in seconds.items() if value > 0}
-        metrics.update({"ett/percent": 100.0 * seconds[Phase.TRAIN.value] / wall, "ett/wall_s": wall,
-                        "ett/effective_s": seconds[Phase.TRAIN.value], "ett/lost_s": seconds[LOST]})
-        return metrics
+        return _metrics(seconds, wall=max(time.time() - job_start, 1e-9))
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
@@ -204,10 +200,7 @@ class ETTMonitor(Callback):
         if stage != "fit" or not trainer.is_global_zero:
             return
         summary = summarize(read_ledger(self.run_dir), now=time.time())
-        metrics = {f"ett/{phase}_s": value for phase, value in summary.phases.items() if value > 0}
-        metrics.update({"ett/percent": summary.ett_percent, "ett/wall_s": summary.wall_s,
-                        "ett/effective_s": summary.effective_s, "ett/lost_s": summary.lost_s})
-        self._log(trainer, metrics)
+        self._log(trainer, _metrics(summary.phases, summary.wall_s))
         from lightning_ett.report import REPORT_PNG, write_report
 
         show = self.report_on_end and not _under_launcher()
@@ -247,6 +240,15 @@ class ETTMonitor(Callback):
                 "and lost steps are not counted here; pass that run_dir to ETTMonitor (or set "
                 "LIGHTNING_ETT_RUN_DIR) to count the restart as another attempt of the same job."
             )
+
+
+def _metrics(seconds: dict[str, float], wall: float) -> dict[str, float]:
+    """The logged names: ``ett/percent``, ``ett/<phase>_s`` and the headline seconds."""
+    metrics = {f"ett/{phase}_s": value for phase, value in seconds.items() if value > 0}
+    effective = seconds.get(Phase.TRAIN.value, 0.0)
+    metrics.update({"ett/percent": 100.0 * effective / wall if wall > 0 else 0.0, "ett/wall_s": wall,
+                    "ett/effective_s": effective, "ett/lost_s": seconds.get(LOST, 0.0)})
+    return metrics
 
 
 def _under_launcher() -> bool:
