@@ -1,3 +1,5 @@
-"""Lightning strategies of lightning-ett (``ETTStrategy`` is tracked in issue #3)."""
+"""Lightning strategies of lightning-ett."""
 
-__all__: list[str] = []
+from lightning_ett.strategies.ett import OVERLAP_HOOK, ETTStrategy
+
+__all__ = ["ETTStrategy", "OVERLAP_HOOK"]

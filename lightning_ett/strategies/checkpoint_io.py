@@ -1,0 +1,124 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory:
+
+* DCP files for the model (sharded tables as ShardedTensors, dense tensors deduplicated)
+  and the fused embedding optimizer's state; DCP reshards them on load, so a checkpoint
+  written by N ranks loads on M.
+* ``lightning.pt`` (rank 0): everything else Lightning puts in a checkpoint — loops,
+  callbacks, schedulers — and the dense optimizers' state keyed by parameter name (dense
+  parameters are replicated, so one copy serves any world size).
+
+All ranks write into ``<dir>.tmp``; after a barrier rank 0 renames it to ``<dir>``, so a
+crash never leaves a directory that looks complete. A directory without ``lightning.pt``
+is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.optim import Optimizer
+
+META_FILE = "lightning.pt"
+MODEL_KEY = "state_dict"
+FUSED_KEY = "ett_fused_optimizer"
+DENSE_KEY = "optimizer_states"
+
+
+def name_keyed_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names instead of positions, so it survives re-wrapping."""
+    state = optimizer.state_dict()
+    index_to_name: dict[int, str] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index_to_name[index] = names[id(param)]
+            index += 1
+    return {
+        "state": {index_to_name[i]: s for i, s in state["state"].items()},
+        "param_groups": [dict(g, params=[index_to_name[i] for i in g["params"]]) for g in state["param_groups"]],
+    }
+
+
+def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any], names: dict[int, str]) -> None:
+    name_to_index: dict[str, int] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name_to_index[names[id(param)]] = index
+            index += 1
+    missing = sorted(set(saved["state"]) - set(name_to_index))
+    if missing:
+        raise KeyError(f"Checkpointed optimizer state for parameters this optimizer does not hold: {missing[:5]}")
+    optimizer.load_state_dict(
+        {
+            "state": {name_to_index[n]: s for n, s in saved["state"].items()},
+            "param_groups": [dict(g, params=[name_to_index[n] for n in g["params"]]) for g in saved["param_groups"]],
+        }
+    )
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / META_FILE).is_file() and (Path(path) / ".metadata").is_file()
+
+
+def save_sharded(
+    checkpoint: dict[str, Any], path: str | os.PathLike, model: nn.Module, fused: Any, rank: int, barrier: Callable[[], None]
+) -> None:
+    """Write ``checkpoint`` as a DCP directory (collective: every rank calls it)."""
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    barrier()
+    tensors = {"model": model.state_dict()}
+    if fused is not None:
+        tensors["fused"] = fused.state_dict()
+    dcp.save(tensors, checkpoint_id=str(tmp))
+    if rank == 0:
+        meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, FUSED_KEY)}
+        meta["ett_format"] = "dcp-v1"
+        meta_tmp = tmp / (META_FILE + ".part")
+        torch.save(meta, meta_tmp)
+        with open(meta_tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(meta_tmp, tmp / META_FILE)
+    barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final) if final.is_dir() else final.unlink()
+        os.replace(tmp, final)
+    barrier()
+
+
+def load_meta(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a complete ETTStrategy checkpoint (no {META_FILE} or DCP .metadata in it)."
+        )
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    meta["ett_checkpoint_dir"] = str(path)
+    return meta
+
+
+def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> None:
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=str(path))
+    model.load_state_dict(target["model"], strict=strict)
+
+
+def load_fused(path: str | os.PathLike, fused: Any) -> None:
+    if hasattr(fused, "init_state") and not fused.state_dict().get("state"):
+        fused.init_state()  # KeyedOptimizer state is lazy: build it, or DCP has no targets to fill
+    target = {"fused": fused.state_dict()}
+    dcp.load(target, checkpoint_id=str(path))
+    fused.load_state_dict(target["fused"])

@@ -1,0 +1,408 @@
+"""ETTStrategy: TorchRec sharding as a Lightning Strategy, with a shorter start-up.
+
+Lightning hooks only; the work is delegated: :mod:`.overlap` (process group in the
+background), :mod:`.plan_cache` (local planning and its cache), :mod:`.checkpoint_io` (DCP).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from typing_extensions import override
+
+from lightning_ett.strategies import checkpoint_io as ckpt
+from lightning_ett.strategies.overlap import BackgroundTask
+from lightning_ett.strategies.plan_cache import (
+    SHARDING_TYPES,
+    PlanCache,
+    check_plan_covers,
+    compute_plan,
+    embedding_tables,
+    plan_digest,
+    plan_inputs,
+    validate_constraints,
+)
+from lightning_ett.strategies.sharders import FUSED_OPTIMIZERS, apply_fused_optimizer, default_sharders
+from lightning_ett.timeline import Phase, record_phase
+
+log = logging.getLogger(__name__)
+
+#: Name of the communication-free start-up hook ETTStrategy calls on the LightningModule and
+#: the LightningDataModule while the process group forms (open datasets, warm loaders).
+OVERLAP_HOOK = "setup_overlapped"
+
+
+class ETTStrategy(ParallelStrategy):
+    r"""Shard a LightningModule's TorchRec embedding tables with ``DistributedModelParallel``.
+
+    Start-up is shortened by creating the process group in a background thread while this
+    rank builds the model (``configure_model``), plans the sharding locally (or loads a
+    cached plan) and runs the ``setup_overlapped()`` hook of the module and datamodule.
+
+    Args:
+        sharding_type: one sharding type for every table (``"table_wise"``, ``"row_wise"``,
+            ``"data_parallel"``, ``"column_wise"`` …); ``None`` lets the planner choose.
+        constraints: per-table ``ParameterConstraints`` (override ``sharding_type``).
+        sharders: TorchRec sharders; default: TorchRec's, with row-wise enabled on CPU.
+        plan: a precomputed ``ShardingPlan`` (skips the planner).
+        fused_optimizer: optimizer the tables use, fused into backward: ``row_wise_adagrad``,
+            ``adagrad``, ``sgd`` or ``adam``. Dense parameters use ``configure_optimizers``.
+        fused_optimizer_kwargs: its hyper-parameters (default ``{"lr": 0.01}``).
+        plan_cache_dir: directory of cached plans (shared by the job's attempts).
+        planner_batch_size: per-rank batch size the planner's cost model assumes.
+        overlap_startup: ``False`` runs the start-up parts one after the other (for comparison).
+        process_group_backend: default ``nccl`` on GPUs, ``gloo`` on CPU.
+    """
+
+    def __init__(
+        self,
+        sharding_type: str | None = None,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        sharders: list[ModuleSharder[nn.Module]] | None = None,
+        plan: ShardingPlan | None = None,
+        fused_optimizer: str = "row_wise_adagrad",
+        fused_optimizer_kwargs: dict[str, Any] | None = None,
+        plan_cache_dir: str | Path | None = None,
+        planner_batch_size: int = 512,
+        overlap_startup: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        if sharding_type is not None and sharding_type not in SHARDING_TYPES:
+            raise ValueError(f"ETTStrategy(sharding_type={sharding_type!r}): expected one of {list(SHARDING_TYPES)} or None.")
+        if fused_optimizer not in FUSED_OPTIMIZERS:
+            raise ValueError(f"ETTStrategy(fused_optimizer={fused_optimizer!r}): expected one of {sorted(FUSED_OPTIMIZERS)}.")
+        if not isinstance(planner_batch_size, int) or planner_batch_size < 1:
+            raise ValueError(f"ETTStrategy(planner_batch_size={planner_batch_size!r}): expected an int >= 1.")
+        self.sharding_type = sharding_type
+        self.constraints = dict(constraints or {})
+        self._user_sharders = sharders
+        self._user_plan = plan
+        self.fused_optimizer = fused_optimizer
+        self.fused_optimizer_kwargs = dict(fused_optimizer_kwargs or {"lr": 0.01})
+        self.plan_cache = PlanCache(plan_cache_dir) if plan_cache_dir is not None else None
+        self.planner_batch_size = planner_batch_size
+        self.overlap_startup = overlap_startup
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.plan: ShardingPlan | None = None
+        self.plan_source: str = "none"
+        self._sharders: list[ModuleSharder[nn.Module]] = []
+        self._dmp: DistributedModelParallel | None = None
+
+    # ------------------------------------------------------------------ topology
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ start-up
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # selects the device (cuda.set_device on GPUs)
+        reset_seed()
+        self.set_world_ranks()
+        # Lightning's launcher does not set it; TorchRec then assumes 8 ranks per host.
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        if self.overlap_startup:
+            task = BackgroundTask(self._init_process_group)
+            try:
+                self._startup_work()
+            finally:
+                task.join()
+        else:
+            start = time.time()
+            self._init_process_group()
+            from lightning_ett.timeline import get_timeline
+
+            get_timeline().record(Phase.PROCESS_GROUP_INIT, start, time.time())
+            self._startup_work()
+        self._check_ranks_agree_on_plan()
+
+    def _init_process_group(self) -> None:
+        if _distributed_is_initialized():
+            return
+        assert self.cluster_environment is not None
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type == "cuda":
+            kwargs["device_id"] = self.root_device  # eager NCCL init: the communicator forms in this window
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # A restarted attempt must not read the dead attempt's addresses from the agent's store.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size, False,
+                                  timeout=self._timeout or default_pg_timeout)
+            kwargs["store"] = dist.PrefixStore(f"lightning_ett/attempt_{restart}", store)
+        dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+
+    def _startup_work(self) -> None:
+        """Everything start-up needs that does not communicate: runs while the process group forms."""
+        module = self.lightning_module
+        assert module is not None
+        if is_overridden("configure_model", module):
+            with record_phase(Phase.MODEL_INIT):
+                module.configure_model()  # Lightning calls it again later: it must be idempotent, as Lightning requires
+        tables = embedding_tables(module)
+        with record_phase(Phase.SHARDING_PLAN):
+            self.plan = self._resolve_plan(module, tables)
+        hooks = [getattr(obj, OVERLAP_HOOK, None) for obj in (module, getattr(module.trainer, "datamodule", None))]
+        hooks = [h for h in hooks if callable(h)]
+        if hooks:
+            with record_phase(Phase.DATA_INIT):
+                for hook in hooks:
+                    hook()
+
+    def _resolve_plan(self, module: nn.Module, tables: dict[str, Any]) -> ShardingPlan | None:
+        self._sharders = list(self._user_sharders) if self._user_sharders is not None else default_sharders(self.root_device.type)
+        if not tables:
+            rank_zero_warn("ETTStrategy: the model has no TorchRec embedding modules; it trains data-parallel (DDP through DMP).")
+            self.plan_source = "none"
+            return None
+        constraints = self._constraints(tables)
+        if self._user_plan is not None:
+            check_plan_covers(self._user_plan, tables, "ETTStrategy(plan=...)")
+            self.plan_source = "user"
+            return self._user_plan
+        topology = Topology(world_size=self.world_size, compute_device=self.root_device.type, local_world_size=self.num_processes)
+        inputs = plan_inputs(tables, topology, self._sharders, constraints, self.planner_batch_size)
+        if self.plan_cache is not None:
+            cached = self.plan_cache.load(inputs, tables)
+            if cached is not None:
+                self.plan_source = "cache"
+                return cached
+        plan = compute_plan(module, topology, self._sharders, constraints, self.planner_batch_size)
+        self.plan_source = "planner"
+        if self.plan_cache is not None and self.local_rank == 0:
+            self.plan_cache.store(inputs, plan)
+        return plan
+
+    def _constraints(self, tables: dict[str, Any]) -> dict[str, ParameterConstraints]:
+        validate_constraints(self.constraints, tables)
+        constraints = dict(self.constraints)
+        if self.sharding_type is not None:
+            for name in tables:
+                constraints.setdefault(name, ParameterConstraints(sharding_types=[self.sharding_type]))
+        return constraints
+
+    def _check_ranks_agree_on_plan(self) -> None:
+        """One tiny all-gather replaces the plan broadcast: catch ranks whose local plans differ."""
+        if self.world_size < 2 or self.plan is None:
+            return
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, plan_digest(self.plan))
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"ETTStrategy: ranks computed different sharding plans (digest per rank: {digests}). Give every rank "
+                "the same model, constraints and world size, or pass the same `plan`/`plan_cache_dir`."
+            )
+
+    # ------------------------------------------------------------------ model and optimizers
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.precision_plugin.convert_module(module)
+        with record_phase(Phase.MODEL_INIT):
+            if self.plan is not None:
+                apply_fused_optimizer(module, self.fused_optimizer, self.fused_optimizer_kwargs)
+            _move_dense_to_device(module, self.root_device)
+            self.model = self._dmp = DistributedModelParallel(
+                module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=self.root_device,
+                plan=self.plan or ShardingPlan({}), sharders=self._sharders, init_data_parallel=True, init_parameters=True,
+            )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._route_sharded_parameters()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.accumulate_grad_batches > 1 and self.plan is not None:
+            rank_zero_warn("ETTStrategy: the fused embedding optimizer steps in every backward; "
+                           "`accumulate_grad_batches > 1` accumulates only the dense gradients.")
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        _move_dense_to_device(self.lightning_module, self.root_device)
+
+    def _route_sharded_parameters(self) -> None:
+        """Drop the tables from the user's optimizers: the fused optimizer updates them in backward."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if not hasattr(p, "_in_backward_optimizers")]
+            if not any(group["params"] for group in optimizer.param_groups):
+                rank_zero_warn(f"ETTStrategy: {type(optimizer).__name__} from configure_optimizers holds only embedding "
+                               "tables, which the fused optimizer already updates; it has nothing left to step.")
+
+    @property
+    def fused_optimizer_instance(self) -> Any:
+        """TorchRec's keyed optimizer over the sharded tables (``None`` before setup or without tables)."""
+        return self._dmp.fused_optimizer if self._dmp is not None and self.plan is not None else None
+
+    def _parameter_names(self) -> dict[int, str]:
+        assert self.lightning_module is not None
+        return {id(p): name for name, p in self.lightning_module.named_parameters()}
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    # ------------------------------------------------------------------ checkpoints (DCP)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded targets exist only once DMP has sharded the model
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return self.model.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.name_keyed_optimizer_state(optimizer, self._parameter_names())
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ETTStrategy.save_checkpoint(storage_options=...) is not supported: DCP writes the files.")
+        assert self.model is not None
+        ckpt.save_sharded(checkpoint, filepath, self.model, self.fused_optimizer_instance, self.global_rank, self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return ckpt.load_meta(checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        assert self.model is not None
+        ckpt.load_model(checkpoint["ett_checkpoint_dir"], self.model, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        fused = self.fused_optimizer_instance
+        if fused is not None:
+            ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)
+        names = self._parameter_names()
+        for optimizer, saved in zip(self.optimizers, checkpoint.get(ckpt.DENSE_KEY, [])):
+            ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @override
+    def teardown(self) -> None:
+        # Unlike Strategy.teardown, leave the model where it is: sharded TorchRec modules do not move.
+        if self.lightning_module is not None:
+            self.model = self.lightning_module
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+
+def _move_dense_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move materialized dense parameters and buffers; meta ones are DMP's to materialize."""
+    if device.type == "cpu":
+        return
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.device.type not in ("meta", device.type):
+                sub._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and buffer.device.type not in ("meta", device.type):
+                sub._buffers[name] = buffer.to(device)

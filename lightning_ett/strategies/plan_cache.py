@@ -1,0 +1,170 @@
+"""Sharding plans computed locally on every rank, keyed, cached, and checked across ranks.
+
+Every rank runs the same deterministic planner on the same inputs, so no rank has to wait
+for rank 0 to broadcast a plan (``collective_plan``): planning can run before the process
+group exists. A cache keyed by everything the plan depends on (table configs, topology,
+sharders, constraints, world size, torchrec version) skips the planner on later starts.
+Cache files are pickles: they are read only from the configured directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
+
+
+def embedding_tables(module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
+    """Every table of every (unsharded) TorchRec embedding module in ``module``, by table name."""
+    tables: dict[str, BaseEmbeddingConfig] = {}
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingBagCollection):
+            configs = sub.embedding_bag_configs()
+        elif isinstance(sub, EmbeddingCollection):
+            configs = sub.embedding_configs()
+        else:
+            continue
+        for config in configs:
+            tables[config.name] = config
+    return tables
+
+
+def validate_constraints(constraints: dict[str, ParameterConstraints], tables: dict[str, Any]) -> None:
+    unknown = sorted(set(constraints) - set(tables))
+    if unknown:
+        raise ValueError(
+            f"ETTStrategy(constraints=...): unknown table(s) {unknown}; the model's tables are {sorted(tables)}."
+        )
+    for name, constraint in constraints.items():
+        for sharding_type in constraint.sharding_types or []:
+            if sharding_type not in SHARDING_TYPES:
+                raise ValueError(
+                    f"ETTStrategy(constraints={{{name!r}: ...}}): invalid sharding type {sharding_type!r}; "
+                    f"expected one of {list(SHARDING_TYPES)}."
+                )
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan depends on; its digest is the cache key."""
+
+    tables: tuple[tuple[Any, ...], ...]
+    world_size: int
+    local_world_size: int
+    compute_device: str
+    sharders: tuple[tuple[str, tuple[str, ...]], ...]
+    constraints: tuple[tuple[str, str], ...]
+    batch_size: int
+    torchrec_version: str
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps(self.__dict__, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:24]
+
+
+def plan_inputs(
+    tables: dict[str, BaseEmbeddingConfig],
+    topology: Topology,
+    sharders: list[ModuleSharder[nn.Module]],
+    constraints: dict[str, ParameterConstraints],
+    batch_size: int,
+) -> PlanInputs:
+    import torchrec
+
+    device = topology.compute_device
+    return PlanInputs(
+        tables=tuple(
+            (c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), str(c.data_type), str(getattr(c, "pooling", "")))
+            for c in sorted(tables.values(), key=lambda c: c.name)
+        ),
+        world_size=topology.world_size,
+        local_world_size=topology.local_world_size,
+        compute_device=device,
+        sharders=tuple(sorted((type(s).__qualname__, tuple(s.sharding_types(device))) for s in sharders)),
+        constraints=tuple(sorted((name, repr(c)) for name, c in constraints.items())),
+        batch_size=batch_size,
+        torchrec_version=getattr(torchrec, "__version__", "unknown"),
+    )
+
+
+def compute_plan(
+    module: nn.Module,
+    topology: Topology,
+    sharders: list[ModuleSharder[nn.Module]],
+    constraints: dict[str, ParameterConstraints],
+    batch_size: int,
+) -> ShardingPlan:
+    """Run TorchRec's planner locally (no process group, so no collective)."""
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints or None)
+    return planner.plan(module, sharders)
+
+
+def plan_digest(plan: ShardingPlan) -> str:
+    return hashlib.sha256(str(plan).encode()).hexdigest()[:16]
+
+
+def planned_tables(plan: ShardingPlan) -> set[str]:
+    return {table for module_plan in plan.plan.values() for table in module_plan}  # type: ignore[union-attr]
+
+
+def check_plan_covers(plan: ShardingPlan, tables: dict[str, Any], source: str) -> None:
+    planned = planned_tables(plan)
+    missing, extra = sorted(set(tables) - planned), sorted(planned - set(tables))
+    if missing or extra:
+        raise ValueError(
+            f"The sharding plan from {source} does not match the model: tables missing from the plan {missing}, "
+            f"tables in the plan but not in the model {extra}. Delete the plan (or pass one for these tables)."
+        )
+
+
+class PlanCache:
+    """A directory of plans, one file per :class:`PlanInputs` key, written atomically."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"ETTStrategy(plan_cache_dir={str(directory)!r}) is not a writable directory: {err}") from err
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"plan-{key}.pkl"
+
+    def load(self, inputs: PlanInputs, tables: dict[str, Any]) -> ShardingPlan | None:
+        path = self.path(inputs.key)
+        if not path.exists():
+            return None
+        with open(path, "rb") as f:
+            entry = pickle.load(f)  # noqa: S301 - only from the configured cache directory
+        if entry.get("key") != inputs.key or entry.get("inputs") != inputs:
+            raise ValueError(
+                f"Plan cache file {str(path)!r} was written for other inputs (tables, topology or sharders) than "
+                "this job's: delete it or use another plan_cache_dir."
+            )
+        plan: ShardingPlan = entry["plan"]
+        check_plan_covers(plan, tables, f"plan cache {str(path)!r}")
+        return plan
+
+    def store(self, inputs: PlanInputs, plan: ShardingPlan) -> Path:
+        path = self.path(inputs.key)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            pickle.dump({"key": inputs.key, "inputs": inputs, "plan": plan, "torch": torch.__version__}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path

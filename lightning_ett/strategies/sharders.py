@@ -1,0 +1,48 @@
+"""TorchRec sharders and the fused (in-backward) embedding optimizer that ETTStrategy uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+FUSED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "row_wise_adagrad": RowWiseAdagrad,
+    "adagrad": torch.optim.Adagrad,
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+}
+
+
+class CPURowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's EBC sharder, offering row-wise sharding on CPU too (TorchRec limits it to cuda/tpu)."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = list(super().sharding_types(compute_device_type))
+        if compute_device_type == "cpu":
+            types += [t.value for t in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) if t.value not in types]
+        return types
+
+
+def default_sharders(compute_device_type: str) -> list[ModuleSharder[nn.Module]]:
+    sharders = get_default_sharders()
+    if compute_device_type != "cpu":
+        return sharders
+    return [CPURowWiseEmbeddingBagCollectionSharder() if type(s) is EmbeddingBagCollectionSharder else s for s in sharders]
+
+
+def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
+    """Fuse the table optimizer into backward (once; a second setup must not stack another)."""
+    params = [
+        p for sub in module.modules() if isinstance(sub, (EmbeddingBagCollection, EmbeddingCollection))
+        for p in sub.parameters() if not hasattr(p, "_in_backward_optimizers")
+    ]
+    if params:
+        apply_optimizer_in_backward(FUSED_OPTIMIZERS[name], params, kwargs)

@@ -1,0 +1,136 @@
+"""A sharded DLRM job under ETTStrategy, for the multi-rank tests (real gloo ranks).
+
+Batches are generated from (global step, rank), so a resumed run sees the same data as an
+uninterrupted one. At the end every rank writes its local view of the model and fused
+optimizer state, its losses and the strategy's plan source to OUT/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.utils.data import DataLoader, IterableDataset
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_ett import ETTMonitor, ETTStrategy
+
+KEYS = [f"f{i}" for i in range(4)]
+DENSE = 8
+
+
+def make_batch(step: int, rank: int, batch: int, rows: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    dense = torch.randn(batch, DENSE, generator=g)
+    ids = torch.randint(0, rows, (len(KEYS), batch), generator=g)
+    # Learnable: the label depends on a dense feature and on the parity of the first id.
+    labels = ((dense[:, 0] + (ids[0] % 2).float() * 2 - 1) > 0).float()
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=ids.reshape(-1), lengths=torch.ones(len(KEYS) * batch, dtype=torch.int32))
+    return dense, kjt, labels
+
+
+class Steps(IterableDataset):
+    def __len__(self) -> int:
+        return 10_000
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while True:
+            yield 0  # the module makes the batch from the step: same data after a resume
+
+
+class ShardedDLRM(LightningModule):
+    def __init__(self, rows: int, batch: int) -> None:
+        super().__init__()
+        self.rows, self.batch = rows, batch
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[k]) for i, k in enumerate(KEYS)]
+        torch.manual_seed(0)
+        self.dlrm = DLRM(
+            embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+            dense_in_features=DENSE, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+        )
+        self.losses: list[float] = []
+
+    def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
+        dense, kjt, labels = make_batch(self.global_step, self.global_rank, self.batch, self.rows)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(self.dlrm(dense, kjt).squeeze(-1), labels)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.Adam(self.parameters(), lr=0.01)  # the natural code: the strategy routes the tables
+
+
+def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in module.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                out[f"{name}@{tuple(shard.metadata.shard_offsets)}"] = shard.tensor.detach().clone()
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach().clone()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--sharding-type", default="table_wise")
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--plan-cache", default=None)
+    p.add_argument("--rows", type=int, default=200)
+    p.add_argument("--batch", type=int, default=64)
+    args = p.parse_args()
+
+    out = Path(args.out)
+    strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache, fused_optimizer="row_wise_adagrad",
+                           fused_optimizer_kwargs={"lr": 0.05})
+    callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False)]
+    if args.save_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
+                                         filename="step{step}", auto_insert_metric_name=False))
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
+                      callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every))
+    model = ShardedDLRM(args.rows, args.batch)
+    trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
+    fused = strategy.fused_optimizer_instance
+    torch.save({
+        "model": local_state(model),
+        "fused": {k: v.detach().clone() for k, v in _flatten(fused.state_dict()["state"]).items()} if fused else {},
+        "losses": model.losses,
+        "global_step": trainer.global_step,
+        "plan_source": strategy.plan_source,
+        "plan": str(strategy.plan),
+        "world_size": trainer.world_size,
+        "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
+    }, out / f"rank{trainer.global_rank}.pt")
+
+
+def _flatten(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        elif isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                flat[f"{name}@{tuple(shard.metadata.shard_offsets)}"] = shard.tensor
+        elif isinstance(value, torch.Tensor):
+            flat[name] = value
+    return flat
+
+
+if __name__ == "__main__":
+    main()

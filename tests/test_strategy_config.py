@@ -1,0 +1,66 @@
+"""ETTStrategy's input checks and plan cache, on real TorchRec modules and real files."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from lightning_ett import ETTStrategy
+from lightning_ett.strategies.plan_cache import PlanCache, compute_plan, embedding_tables, plan_inputs, validate_constraints
+from lightning_ett.strategies.sharders import default_sharders
+
+
+def ebc(rows: int = 100) -> torch.nn.Module:
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"f{i}"]) for i in range(3)]
+    return torch.nn.Sequential(EmbeddingBagCollection(tables=configs, device=torch.device("meta")))
+
+
+def test_invalid_arguments_name_the_argument_and_the_choices():
+    with pytest.raises(ValueError, match=r"sharding_type='diagonal'.*table_wise"):
+        ETTStrategy(sharding_type="diagonal")
+    with pytest.raises(ValueError, match=r"fused_optimizer='lamb'.*row_wise_adagrad"):
+        ETTStrategy(fused_optimizer="lamb")
+    with pytest.raises(ValueError, match="planner_batch_size"):
+        ETTStrategy(planner_batch_size=0)
+
+
+def test_constraints_for_unknown_tables_or_bad_sharding_types_are_rejected():
+    tables = embedding_tables(ebc())
+    assert sorted(tables) == ["t0", "t1", "t2"]
+    with pytest.raises(ValueError, match=r"unknown table\(s\) \['nope'\].*\['t0', 't1', 't2'\]"):
+        validate_constraints({"nope": ParameterConstraints(sharding_types=["table_wise"])}, tables)
+    with pytest.raises(ValueError, match="invalid sharding type 'sideways'"):
+        validate_constraints({"t0": ParameterConstraints(sharding_types=["sideways"])}, tables)
+
+
+def test_plan_cache_round_trips_and_rejects_a_file_written_for_other_inputs(tmp_path):
+    module = ebc()
+    tables = embedding_tables(module)
+    topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
+    sharders = default_sharders("cpu")
+    constraints = {name: ParameterConstraints(sharding_types=["row_wise"]) for name in tables}
+    inputs = plan_inputs(tables, topology, sharders, constraints, 512)
+    plan = compute_plan(module, topology, sharders, constraints, 512)
+    cache = PlanCache(tmp_path)
+    assert cache.load(inputs, tables) is None
+    cache.store(inputs, plan)
+    assert str(cache.load(inputs, tables)) == str(plan)
+
+    other = plan_inputs(embedding_tables(ebc(rows=999)), topology, sharders, constraints, 512)
+    assert other.key != inputs.key and cache.load(other, tables) is None  # other tables: not used
+    # A file under this key that was written for other inputs (copied, renamed, stale): a clear error.
+    cache.path(other.key).write_bytes(pickle.dumps({"key": inputs.key, "inputs": inputs, "plan": plan}))
+    with pytest.raises(ValueError, match="written for other inputs"):
+        cache.load(other, tables)
+
+
+def test_unwritable_plan_cache_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="plan_cache_dir"):
+        ETTStrategy(plan_cache_dir=blocker / "plans")
