@@ -38,6 +38,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_ett.strategies import checkpoint_io as ckpt
+from lightning_ett.strategies import sigterm
 from lightning_ett.strategies.overlap import BackgroundTask
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
@@ -123,6 +124,7 @@ class ETTStrategy(ParallelStrategy):
         self.plan_source: str = "none"
         self._sharders: list[ModuleSharder[nn.Module]] = []
         self._dmp: DistributedModelParallel | None = None
+        self._sigterm: sigterm.DeferredSigtermBroadcast | None = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -167,7 +169,7 @@ class ETTStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Lightning's launcher does not set it; TorchRec then assumes 8 ranks per host.
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = self._process_group_backend or _default_backend(self.root_device)
         if self.overlap_startup:
             task = BackgroundTask(self._init_process_group)
             try:
@@ -314,7 +316,7 @@ class ETTStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if "nccl" in dist.get_backend():
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
@@ -385,6 +387,22 @@ class ETTStrategy(ParallelStrategy):
                 path.unlink()
 
     @override
+    def on_train_start(self) -> None:
+        assert self.lightning_module is not None
+        # Lightning has registered its signal handlers by now.
+        self._sigterm = sigterm.install(self.lightning_module.trainer)  # no blocking collective + .item() per step
+
+    @override
+    def on_train_end(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.flush()  # no asynchronous broadcast left outstanding
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._sigterm is not None:
+            self._sigterm.flush()
+
+    @override
     def teardown(self) -> None:
         # Unlike Strategy.teardown, leave the model where it is: sharded TorchRec modules do not move.
         if self.lightning_module is not None:
@@ -393,6 +411,13 @@ class ETTStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def _default_backend(device: torch.device) -> str:
+    """``gloo`` on CPU; on GPUs NCCL plus a gloo CPU group, which background checkpoint writers need."""
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return _get_default_process_group_backend_for_device(device)
 
 
 def _move_dense_to_device(module: nn.Module, device: torch.device) -> None:

@@ -26,6 +26,10 @@ def test_sharded_dlrm_trains_and_the_loss_falls(tmp_path, sharding_type):
     assert len(ranks) == 2 and all(r["world_size"] == 2 for r in ranks)
     assert all(r["local_world_size"] == "2" for r in ranks)  # Lightning does not set it; TorchRec would assume 8
     assert sharding_type in ranks[0]["plan"]
+    assert ranks[0]["lr"] == pytest.approx(0.01 * 0.5**4)  # the user's StepLR stepped as in Lightning
+    # Sharded tables go to the fused optimizer; data-parallel tables are replicated and, as in
+    # TorchRec, trained by the dense optimizer with the MLPs (8 parameters).
+    assert ranks[0]["dense_optimizer_params"] == (12 if sharding_type == "data_parallel" else 8)
     for r in ranks:
         losses = r["losses"]
         assert statistics.mean(losses[-8:]) < statistics.mean(losses[:8]) - 0.02, losses
@@ -72,3 +76,32 @@ def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_pat
     assert second[0]["plan"] == first[0]["plan"]
     assert other[0]["plan_source"] == "planner"  # other tables: a new entry, not the first one
     assert len(list(cache.glob("plan-*.pkl"))) == 2
+
+
+def test_a_model_without_torchrec_modules_trains_data_parallel(tmp_path):
+    proc = run_script(str(SCRIPTS / "boring_job.py"), "--run-dir", str(tmp_path / "run"), "--ett-strategy", "--devices", "2",
+                      "--max-steps", "6", "--save-every", "3", "--ckpt-dir", str(tmp_path / "ckpt"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "no TorchRec embedding modules" in proc.stderr
+    assert (tmp_path / "ckpt" / "last.ckpt" / "lightning.pt").is_file()
+    assert sorted(lg.rank for lg in __import__("lightning_ett").ledger.read_ledger(tmp_path / "run")) == [0, 1]
+
+
+def test_runs_under_torchrun(tmp_path):
+    proc = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", JOB, "--out", str(tmp_path),
+                      "--max-steps", "4", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
+    assert len(ranks) == 2 and all(r["global_step"] == 4 and r["world_size"] == 2 for r in ranks)
+
+
+def test_sigterm_on_rank_zero_stops_every_rank_without_a_blocking_collective_per_step(tmp_path):
+    # ETTStrategy replaces Lightning's per-step blocking SIGTERM broadcast with an asynchronous one.
+    # Under torchrun Lightning does not forward rank 0's SIGTERM: rank 1 learns of it only from the broadcast.
+    proc = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", JOB, "--out", str(tmp_path),
+                      "--max-steps", "200", "--sigterm-at", "5", timeout=300)
+    assert "[rank: 1] Received SIGTERM" not in proc.stderr
+    steps = {lg.rank: max(e["step"] for e in lg.events if e["phase"] == "train")
+             for lg in __import__("lightning_ett").ledger.read_ledger(tmp_path / "ett")}
+    assert sorted(steps) == [0, 1]
+    assert all(5 <= last <= 7 for last in steps.values()), steps  # both stopped within a step or two, not at 200

@@ -25,6 +25,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--csv-dir", default=None)
     p.add_argument("--wandb-dir", default=None)
+    p.add_argument("--ett-strategy", action="store_true")
+    p.add_argument("--devices", type=int, default=1)
     p.add_argument("--block-wandb", action="store_true")
     return p.parse_args()
 
@@ -41,7 +43,7 @@ def main() -> None:
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_ett import ETTMonitor
+    from lightning_ett import ETTMonitor, ETTStrategy
 
     class SlowSaveIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None):  # type: ignore[no-untyped-def]
@@ -77,9 +79,10 @@ def main() -> None:
         callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
-        plugins=[SlowSaveIO()],
+        plugins=[] if args.ett_strategy else [SlowSaveIO()],
+        strategy=ETTStrategy() if args.ett_strategy else "auto",
         accelerator="cpu",
-        devices=1,
+        devices=args.devices,
     )
     ckpt = None
     if args.resume and args.ckpt_dir and (Path(args.ckpt_dir) / "last.ckpt").exists():

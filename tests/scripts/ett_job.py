@@ -58,14 +58,22 @@ class ShardedDLRM(LightningModule):
         )
         self.losses: list[float] = []
 
+    sigterm_at: int | None = None
+
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
+        if self.sigterm_at == self.global_step and self.global_rank == 0:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler's preemption sends
         dense, kjt, labels = make_batch(self.global_step, self.global_rank, self.batch, self.rows)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(self.dlrm(dense, kjt).squeeze(-1), labels)
         self.losses.append(loss.item())
         return loss
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        return torch.optim.Adam(self.parameters(), lr=0.01)  # the natural code: the strategy routes the tables
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)  # the natural code: the strategy routes the tables
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -91,6 +99,7 @@ def main() -> None:
     p.add_argument("--plan-cache", default=None)
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--sigterm-at", type=int, default=None)
     args = p.parse_args()
 
     out = Path(args.out)
@@ -102,8 +111,9 @@ def main() -> None:
                                          filename="step{step}", auto_insert_metric_name=False))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every))
+                      num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every), gradient_clip_val=1.0)
     model = ShardedDLRM(args.rows, args.batch)
+    model.sigterm_at = args.sigterm_at
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
     fused = strategy.fused_optimizer_instance
     torch.save({
@@ -114,6 +124,8 @@ def main() -> None:
         "plan_source": strategy.plan_source,
         "plan": str(strategy.plan),
         "world_size": trainer.world_size,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "dense_optimizer_params": sum(len(g["params"]) for g in trainer.optimizers[0].param_groups),
         "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
     }, out / f"rank{trainer.global_rank}.pt")
 

@@ -1,0 +1,111 @@
+"""One throughput measurement on 2 gloo ranks: ETTStrategy under Lightning, or a hand-written DMP loop.
+
+Both use the example's DLRM, data (RandomRecDataset, seed = rank), table-wise sharding,
+row-wise Adagrad fused into backward for the tables and Adagrad for the dense part.
+Rank 0 writes the median steady-state step time to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.dlrm_example import DLRMModule, RandomCriteoDataModule  # noqa: E402
+
+LR = 0.05
+
+
+def median_step(stamps: list[float], warmup: int) -> float:
+    return statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :]))
+
+
+def lightning_run(steps: int, warmup: int, out: Path) -> None:
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_ett import ETTStrategy
+
+    class StepClock(Callback):
+        stamps: list[float] = []
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.stamps.append(time.perf_counter())
+
+    class Unlogged(DLRMModule):
+        """The example's step minus `self.log`: the hand-written loop logs nothing either."""
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.loss(self(batch), batch.labels.float())
+
+    clock = StepClock()
+    strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": LR})
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, callbacks=[clock],
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Unlogged(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
+    if trainer.global_rank == 0:
+        out.write_text(json.dumps({"step_s": median_step(clock.stamps, warmup)}))
+
+
+def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int) -> None:
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from lightning_ett.strategies.plan_cache import embedding_tables
+    from lightning_ett.strategies.sharders import default_sharders
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(max((os.cpu_count() or 2) // 2, 1))  # as torchrun and Lightning do: no oversubscription
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DLRMModule(learning_rate=LR).model
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR})
+    constraints = {t: ParameterConstraints(sharding_types=["table_wise"]) for t in embedding_tables(model)}
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu", local_world_size=2),
+                                    constraints=constraints).plan(model, default_sharders("cpu"))
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=default_sharders("cpu"))
+    dense = torch.optim.Adagrad([p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")], lr=LR)
+    # Through a DataLoader, as the Lightning arm and any real training loop read data.
+    data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 1, rank), batch_size=None))
+    stamps = []
+    for _ in range(steps):
+        batch = next(data)
+        logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        dense.zero_grad()
+        loss.backward()
+        dense.step()
+        stamps.append(time.perf_counter())
+    if rank == 0:
+        out.write_text(json.dumps({"step_s": median_step(stamps, warmup)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["lightning", "dmp"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    args = p.parse_args()
+    if args.mode == "lightning":
+        lightning_run(args.steps, args.warmup, Path(args.out))
+    else:
+        import torch.multiprocessing as mp
+        from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port()), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
