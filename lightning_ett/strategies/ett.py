@@ -6,7 +6,6 @@ background), :mod:`.plan_cache` (local planning and its cache), :mod:`.checkpoin
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import time
@@ -18,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -33,13 +32,13 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
-from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_ett.strategies import checkpoint_io as ckpt
 from lightning_ett.strategies import sigterm
 from lightning_ett.strategies.overlap import BackgroundTask
+from lightning_ett.strategies.placement import move_dense_to_device
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
@@ -50,10 +49,9 @@ from lightning_ett.strategies.plan_cache import (
     plan_inputs,
     validate_constraints,
 )
+from lightning_ett.strategies.process_group import default_backend, init_process_group
 from lightning_ett.strategies.sharders import FUSED_OPTIMIZERS, apply_fused_optimizer, default_sharders
 from lightning_ett.timeline import Phase, record_phase
-
-log = logging.getLogger(__name__)
 
 #: Name of the communication-free start-up hook ETTStrategy calls on the LightningModule and
 #: the LightningDataModule while the process group forms (open datasets, warm loaders).
@@ -169,7 +167,7 @@ class ETTStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Lightning's launcher does not set it; TorchRec then assumes 8 ranks per host.
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
-        self._process_group_backend = self._process_group_backend or _default_backend(self.root_device)
+        self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
         if self.overlap_startup:
             task = BackgroundTask(self._init_process_group)
             try:
@@ -186,26 +184,16 @@ class ETTStrategy(ParallelStrategy):
         self._check_ranks_agree_on_plan()
 
     def _init_process_group(self) -> None:
-        if _distributed_is_initialized():
-            return
         assert self.cluster_environment is not None
-        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
-        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type == "cuda":
-            kwargs["device_id"] = self.root_device  # eager NCCL init: the communicator forms in this window
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # A restarted attempt must not read the dead attempt's addresses from the agent's store.
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size, False,
-                                  timeout=self._timeout or default_pg_timeout)
-            kwargs["store"] = dist.PrefixStore(f"lightning_ett/attempt_{restart}", store)
-        dist.init_process_group(self._process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+        init_process_group(self.cluster_environment, self._process_group_backend, self.global_rank, self.world_size,
+                           self.root_device, self._timeout)
 
     def _startup_work(self) -> None:
         """Everything start-up needs that does not communicate: runs while the process group forms."""
         module = self.lightning_module
         assert module is not None
+        if self._dmp is not None:
+            return  # a later stage (validate/test after fit): the model is sharded already
         if is_overridden("configure_model", module):
             with record_phase(Phase.MODEL_INIT):
                 module.configure_model()  # Lightning calls it again later: it must be idempotent, as Lightning requires
@@ -270,14 +258,10 @@ class ETTStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.precision_plugin.convert_module(module)
-        with record_phase(Phase.MODEL_INIT):
-            if self.plan is not None:
-                apply_fused_optimizer(module, self.fused_optimizer, self.fused_optimizer_kwargs)
-            _move_dense_to_device(module, self.root_device)
-            self.model = self._dmp = DistributedModelParallel(
-                module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=self.root_device,
-                plan=self.plan or ShardingPlan({}), sharders=self._sharders, init_data_parallel=True, init_parameters=True,
-            )
+        if self._dmp is not None and self._dmp.module is module:
+            self.model = self._dmp  # sharded by an earlier stage of this Trainer
+        else:
+            self._wrap(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._route_sharded_parameters()
@@ -288,10 +272,21 @@ class ETTStrategy(ParallelStrategy):
             rank_zero_warn("ETTStrategy: the fused embedding optimizer steps in every backward; "
                            "`accumulate_grad_batches > 1` accumulates only the dense gradients.")
 
+    def _wrap(self, module: pl.LightningModule) -> None:
+        """Shard the tables and wrap the rest in DDP (DMP's collectives: only after the join)."""
+        with record_phase(Phase.MODEL_INIT):
+            if self.plan is not None:
+                apply_fused_optimizer(module, self.fused_optimizer, self.fused_optimizer_kwargs)
+            move_dense_to_device(module, self.root_device)
+            self.model = self._dmp = DistributedModelParallel(
+                module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=self.root_device,
+                plan=self.plan or ShardingPlan({}), sharders=self._sharders, init_data_parallel=True, init_parameters=True,
+            )
+
     @override
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
-        _move_dense_to_device(self.lightning_module, self.root_device)
+        move_dense_to_device(self.lightning_module, self.root_device)
 
     def _route_sharded_parameters(self) -> None:
         """Drop the tables from the user's optimizers: the fused optimizer updates them in backward."""
@@ -366,16 +361,18 @@ class ETTStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         assert self.model is not None
-        ckpt.load_model(checkpoint["ett_checkpoint_dir"], self.model, strict=strict)
+        with record_phase(Phase.CHECKPOINT_LOAD):
+            ckpt.load_model(checkpoint["ett_checkpoint_dir"], self.model, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         fused = self.fused_optimizer_instance
-        if fused is not None:
-            ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)
-        names = self._parameter_names()
-        for optimizer, saved in zip(self.optimizers, checkpoint.get(ckpt.DENSE_KEY, [])):
-            ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
+        with record_phase(Phase.CHECKPOINT_LOAD):
+            if fused is not None:
+                ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)
+            names = self._parameter_names()
+            for optimizer, saved in zip(self.optimizers, checkpoint.get(ckpt.DENSE_KEY, [])):
+                ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -411,23 +408,3 @@ class ETTStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-
-def _default_backend(device: torch.device) -> str:
-    """``gloo`` on CPU; on GPUs NCCL plus a gloo CPU group, which background checkpoint writers need."""
-    if device.type == "cuda":
-        return "cpu:gloo,cuda:nccl"
-    return _get_default_process_group_backend_for_device(device)
-
-
-def _move_dense_to_device(module: nn.Module, device: torch.device) -> None:
-    """Move materialized dense parameters and buffers; meta ones are DMP's to materialize."""
-    if device.type == "cpu":
-        return
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and param.device.type not in ("meta", device.type):
-                sub._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None and buffer.device.type not in ("meta", device.type):
-                sub._buffers[name] = buffer.to(device)
