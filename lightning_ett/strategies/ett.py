@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -175,11 +174,8 @@ class ETTStrategy(ParallelStrategy):
             finally:
                 task.join()
         else:
-            start = time.time()
-            self._init_process_group()
-            from lightning_ett.timeline import get_timeline
-
-            get_timeline().record(Phase.PROCESS_GROUP_INIT, start, time.time())
+            with record_phase(Phase.PROCESS_GROUP_INIT):
+                self._init_process_group()
             self._startup_work()
         self._check_ranks_agree_on_plan()
 

@@ -105,3 +105,10 @@ def test_sigterm_on_rank_zero_stops_every_rank_without_a_blocking_collective_per
              for lg in __import__("lightning_ett").ledger.read_ledger(tmp_path / "ett")}
     assert sorted(steps) == [0, 1]
     assert all(5 <= last <= 7 for last in steps.values()), steps  # both stopped within a step or two, not at 200
+
+
+def test_ranks_whose_local_plans_disagree_fail_with_a_clear_error(tmp_path):
+    proc = run_script(JOB, "--out", str(tmp_path), "--max-steps", "2", "--sharding-type", "table_wise",
+                      "--rank1-sharding-type", "row_wise", timeout=300)
+    assert proc.returncode != 0
+    assert "ranks computed different sharding plans" in proc.stderr

@@ -100,9 +100,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--sigterm-at", type=int, default=None)
+    p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
     args = p.parse_args()
 
     out = Path(args.out)
+    if args.rank1_sharding_type and int(os.environ.get("LOCAL_RANK", 0)) == 1:
+        args.sharding_type = args.rank1_sharding_type
     strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache, fused_optimizer="row_wise_adagrad",
                            fused_optimizer_kwargs={"lr": 0.05})
     callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False)]
