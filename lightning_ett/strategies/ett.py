@@ -288,7 +288,10 @@ class ETTStrategy(ParallelStrategy):
         """Drop the tables from the user's optimizers: the fused optimizer updates them in backward."""
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
+                fused = [p for p in group["params"] if hasattr(p, "_in_backward_optimizers")]
                 group["params"] = [p for p in group["params"] if not hasattr(p, "_in_backward_optimizers")]
+                for param in fused:
+                    optimizer.state.pop(param, None)  # eager optimizers (Adagrad) built state for the tables too
             if not any(group["params"] for group in optimizer.param_groups):
                 rank_zero_warn(f"ETTStrategy: {type(optimizer).__name__} from configure_optimizers holds only embedding "
                                "tables, which the fused optimizer already updates; it has nothing left to step.")

@@ -20,10 +20,15 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
         str(REPO / "examples" / "dlrm_example.py"), "fit", "--config", str(REPO / "examples" / "dlrm.yaml"),
         "--trainer.max_steps", "40", "--trainer.val_check_interval", "20", "--trainer.limit_val_batches", "4",
         "--data.batch_size", "256",
+        # one more checkpoint callback, due inside this short run: the example's save path is exercised
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.every_n_train_steps", "20",
         cwd=tmp_path, timeout=300, LIGHTNING_ETT_RUN_DIR=str(run_dir),
     )
     finished = time.time()
     assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert saved and all((tmp_path / "ckpt" / name / "lightning.pt").is_file() for name in saved), saved
 
     ledgers = read_ledger(run_dir)
     assert sorted(lg.rank for lg in ledgers) == [0, 1]
@@ -34,7 +39,7 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
     s = summarize_run_dir(run_dir)
     for rank, totals in s.per_rank.items():
         assert sum(totals.values()) == pytest.approx(s.wall_s, rel=1e-6), rank
-        assert totals["train"] > 0 and totals["eval"] > 0 and totals["model_init"] > 0
+        assert totals["train"] > 0 and totals["eval"] > 0 and totals["model_init"] > 0 and totals["checkpoint_save"] > 0
     # Rank 1 starts after rank 0 spawned it: that wait is its `launch` time.
     assert s.per_rank[1]["launch"] > 0.5 and s.per_rank[0]["launch"] < 0.05
     assert -0.05 < (finished - started) - s.wall_s < 1.5  # see test_monitor for the tolerance

@@ -44,12 +44,14 @@ def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert torch.equal(a[key], b[key]), key
 
 
-def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("dense_optimizer", ["adam", "adagrad"])  # lazy and eager optimizer state
+def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path, dense_optimizer):
     ckpt = tmp_path / "ckpt"
-    full = run_job(tmp_path / "full", "--max-steps", "12", "--save-every", "6", "--ckpt-dir", str(ckpt))
+    opt = ("--dense-optimizer", dense_optimizer)
+    full = run_job(tmp_path / "full", *opt, "--max-steps", "12", "--save-every", "6", "--ckpt-dir", str(ckpt))
     assert (ckpt / "step6.ckpt" / "lightning.pt").is_file() and (ckpt / "step6.ckpt" / ".metadata").is_file()
     assert not list(ckpt.glob("*.tmp"))  # nothing half-written left behind
-    resumed = run_job(tmp_path / "resumed", "--max-steps", "12", "--resume", str(ckpt / "step6.ckpt"))
+    resumed = run_job(tmp_path / "resumed", *opt, "--max-steps", "12", "--resume", str(ckpt / "step6.ckpt"))
     for a, b in zip(full, resumed):
         assert b["global_step"] == 12 and len(b["losses"]) == 6
         assert a["losses"][6:] == b["losses"]
@@ -58,8 +60,8 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path)
     assert summarize_run_dir(tmp_path / "resumed" / "ett").phases["checkpoint_load"] > 0
 
     # The same checkpoint on 1 rank: DCP reshards the 2-rank tables into one rank's.
-    at_six = run_job(tmp_path / "at6", "--max-steps", "6")
-    one = run_job(tmp_path / "one", "--devices", "1", "--max-steps", "6", "--resume", str(ckpt / "step6.ckpt"))
+    at_six = run_job(tmp_path / "at6", *opt, "--max-steps", "6")
+    one = run_job(tmp_path / "one", *opt, "--devices", "1", "--max-steps", "6", "--resume", str(ckpt / "step6.ckpt"))
     assert len(one) == 1 and one[0]["world_size"] == 1
     union = {**at_six[0]["model"], **at_six[1]["model"]}
     _assert_same_state(union, one[0]["model"])

@@ -59,6 +59,7 @@ class ShardedDLRM(LightningModule):
         self.losses: list[float] = []
 
     sigterm_at: int | None = None
+    dense_optimizer = "adam"
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
         if self.sigterm_at == self.global_step and self.global_rank == 0:
@@ -71,7 +72,8 @@ class ShardedDLRM(LightningModule):
         return loss
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)  # the natural code: the strategy routes the tables
+        # The natural code: the strategy routes the tables. Adagrad builds its state eagerly, Adam lazily.
+        optimizer = (torch.optim.Adagrad if self.dense_optimizer == "adagrad" else torch.optim.Adam)(self.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -100,6 +102,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--sigterm-at", type=int, default=None)
+    p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default="adam")
     p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
     args = p.parse_args()
 
@@ -117,6 +120,7 @@ def main() -> None:
                       num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every), gradient_clip_val=1.0)
     model = ShardedDLRM(args.rows, args.batch)
     model.sigterm_at = args.sigterm_at
+    model.dense_optimizer = args.dense_optimizer
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
     fused = strategy.fused_optimizer_instance
     torch.save({
