@@ -139,6 +139,11 @@ class ETTStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning for strategies it does not know: enables ``sync_dist`` and the distributed sampler."""
+        return True
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 

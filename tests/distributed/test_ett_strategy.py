@@ -82,8 +82,14 @@ def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_pat
 
 def test_a_model_without_torchrec_modules_trains_data_parallel(tmp_path):
     proc = run_script(str(SCRIPTS / "boring_job.py"), "--run-dir", str(tmp_path / "run"), "--ett-strategy", "--devices", "2",
-                      "--max-steps", "6", "--save-every", "3", "--ckpt-dir", str(tmp_path / "ckpt"), timeout=300)
+                      "--max-steps", "6", "--save-every", "3", "--ckpt-dir", str(tmp_path / "ckpt"),
+                      "--report", str(tmp_path / "report"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    # Lightning treats the strategy as distributed: each rank reads its own share of a map-style dataset.
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "report" / f"rank{rank}.json").read_text())["sampler"] == "DistributedSampler"
     assert "no TorchRec embedding modules" in proc.stderr
     assert (tmp_path / "ckpt" / "last.ckpt" / "lightning.pt").is_file()
     assert sorted(lg.rank for lg in __import__("lightning_ett").ledger.read_ledger(tmp_path / "run")) == [0, 1]

@@ -27,6 +27,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--wandb-dir", default=None)
     p.add_argument("--ett-strategy", action="store_true")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--report", default=None, help="write per-rank facts about the run here")
     p.add_argument("--block-wandb", action="store_true")
     return p.parse_args()
 
@@ -87,7 +88,14 @@ def main() -> None:
     ckpt = None
     if args.resume and args.ckpt_dir and (Path(args.ckpt_dir) / "last.ckpt").exists():
         ckpt = str(Path(args.ckpt_dir) / "last.ckpt")
-    trainer.fit(Model(), ckpt_path=ckpt)
+    model = Model()
+    trainer.fit(model, ckpt_path=ckpt)
+    if args.report:
+        import json
+
+        sampler = type(trainer.train_dataloader.sampler).__name__
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        (Path(args.report) / f"rank{trainer.global_rank}.json").write_text(json.dumps({"sampler": sampler}))
 
 
 if __name__ == "__main__":
