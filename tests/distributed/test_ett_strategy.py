@@ -120,3 +120,15 @@ def test_ranks_whose_local_plans_disagree_fail_with_a_clear_error(tmp_path):
                       "--rank1-sharding-type", "row_wise", timeout=300)
     assert proc.returncode != 0
     assert "ranks computed different sharding plans" in proc.stderr
+
+
+def test_torchrun_restart_after_a_sigkill_reforms_the_process_group(tmp_path):
+    # Rank 1 SIGKILLs itself at step 4 of attempt 0; torchrun restarts both ranks once.
+    proc = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "--max-restarts", "1", JOB,
+                      "--out", str(tmp_path), "--max-steps", "10", "--kill-at", "4", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
+    assert [r["global_step"] for r in ranks] == [10, 10]
+    s = summarize_run_dir(tmp_path / "ett")
+    assert [a.completed for a in s.attempts] == [False, True]
+    assert s.lost_s > 0  # attempt 0's steps were re-run (no checkpoint in this job)

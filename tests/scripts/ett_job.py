@@ -59,9 +59,14 @@ class ShardedDLRM(LightningModule):
         self.losses: list[float] = []
 
     sigterm_at: int | None = None
+    kill_at: int | None = None
     dense_optimizer = "adam"
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
+        if self.kill_at == self.global_step and self.global_rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash on the first attempt only
         if self.sigterm_at == self.global_step and self.global_rank == 0:
             import signal
 
@@ -103,6 +108,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--sigterm-at", type=int, default=None)
     p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default="adam")
+    p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself at this step of attempt 0")
     p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
     args = p.parse_args()
 
@@ -121,6 +127,7 @@ def main() -> None:
     model = ShardedDLRM(args.rows, args.batch)
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer
+    model.kill_at = args.kill_at
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
     fused = strategy.fused_optimizer_instance
     torch.save({
