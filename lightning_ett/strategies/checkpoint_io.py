@@ -10,8 +10,8 @@ A checkpoint is a directory:
   parameters are replicated, so one copy serves any world size).
 
 All ranks write into ``<dir>.tmp``; after a barrier rank 0 renames it to ``<dir>``, so a
-crash never leaves a directory that looks complete. A directory without ``lightning.pt``
-is not a checkpoint.
+crash never leaves a directory that looks complete under the checkpoint's name. A directory
+without ``lightning.pt`` and DCP's ``.metadata`` is refused on load.
 """
 
 from __future__ import annotations
@@ -93,9 +93,16 @@ def save_sharded(
         os.replace(meta_tmp, tmp / META_FILE)
     barrier()
     if rank == 0:
+        # Overwriting a name (e.g. last.ckpt): move the old one aside first, so that no moment
+        # exists with the old copy deleted and the new one not yet in place.
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
         if final.exists():
-            shutil.rmtree(final) if final.is_dir() else final.unlink()
+            os.replace(final, old)
         os.replace(tmp, final)
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     barrier()
 
 
