@@ -1,15 +1,16 @@
 """Job identity that survives restarts: run directory, job id, job start, attempt.
 
-A launcher (``lightning run``) stamps these into the environment before it starts the
-workers; a user can set them by hand; otherwise the first process of a job picks them and
-exports them so that the ranks Lightning spawns for it inherit the same values.
+A launcher can stamp these into the environment before it starts the workers; a user can
+set them by hand; otherwise the first process of a job picks them and exports them so that
+the ranks Lightning spawns for it inherit the same values. The run directory keeps the job's
+id and start in ``job.json``, so a restart into the same directory is the same job.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ ENV_JOB_ID = "LIGHTNING_ETT_JOB_ID"
 ENV_JOB_START = "LIGHTNING_ETT_JOB_START"
 ENV_ATTEMPT = "LIGHTNING_ETT_ATTEMPT"
 ENV_ATTEMPT_START = "LIGHTNING_ETT_ATTEMPT_START"
-ENV_LAUNCHER = "LIGHTNING_ETT_LAUNCHER"
+ENV_EXPORTED_BY = "LIGHTNING_ETT_EXPORTED_BY"
+JOB_FILE = "job.json"
 
 DEFAULT_RUNS_ROOT = "ett_runs"
 
@@ -79,6 +81,23 @@ def count_attempts(run_dir: Path, rank: int) -> int:
     return len(rank_ledger_files(run_dir, rank))
 
 
+def read_job_file(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / JOB_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_job_file(run_dir: Path, job_id: str, job_start: float) -> None:
+    """Record the job's identity in its run directory once (the first attempt's values win)."""
+    path = run_dir / JOB_FILE
+    if path.exists():
+        return
+    tmp = path.with_name(f".{JOB_FILE}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"job_id": job_id, "job_start": job_start}))
+    os.replace(tmp, path)
+
+
 @dataclass(frozen=True)
 class JobContext:
     """Where this process's events go and which job and attempt they belong to."""
@@ -98,30 +117,29 @@ def resolve_job_context(run_dir: str | os.PathLike | None = None, export: bool =
     same job and attempt instead of starting their own.
     """
     process_start = process_start_time()
-    job_id = os.environ.get(ENV_JOB_ID) or _new_job_id()
+    env = dict(os.environ)
+    if env.get(ENV_EXPORTED_BY) == str(os.getpid()) and run_dir is not None:
+        exported = env.get(ENV_RUN_DIR)
+        if exported is None or Path(run_dir).expanduser().absolute() != Path(exported):
+            # This process exported another job earlier (a notebook, a sweep): start a new one.
+            env = {k: v for k, v in env.items() if not k.startswith("LIGHTNING_ETT_")}
+    if run_dir is None and ENV_RUN_DIR in env:
+        run_dir = env[ENV_RUN_DIR]
+    recorded = read_job_file(Path(run_dir).expanduser().absolute()) if run_dir is not None else None
+    job_id = env.get(ENV_JOB_ID) or (recorded or {}).get("job_id") or _new_job_id()
     if run_dir is None:
-        run_dir = os.environ.get(ENV_RUN_DIR) or os.path.join(os.getcwd(), DEFAULT_RUNS_ROOT, job_id)
+        run_dir = os.path.join(os.getcwd(), DEFAULT_RUNS_ROOT, job_id)
     path = Path(run_dir).expanduser().absolute()
-    job_start = float(os.environ.get(ENV_JOB_START, process_start))
-    job_start = min(job_start, process_start)
-    if ENV_ATTEMPT in os.environ:
-        attempt = int(os.environ[ENV_ATTEMPT])
+    job_start = min(float(env.get(ENV_JOB_START, process_start)), process_start,
+                    float((recorded or {}).get("job_start", process_start)))
+    if ENV_ATTEMPT in env:
+        attempt = int(env[ENV_ATTEMPT])
     else:
         attempt = count_attempts(path, env_rank())
-    attempt_start = min(float(os.environ.get(ENV_ATTEMPT_START, process_start)), process_start)
+    attempt_start = min(float(env.get(ENV_ATTEMPT_START, process_start)), process_start)
     if export:
-        os.environ[ENV_RUN_DIR] = str(path)
-        os.environ[ENV_JOB_ID] = job_id
-        os.environ[ENV_JOB_START] = repr(job_start)
-        os.environ[ENV_ATTEMPT] = str(attempt)
-        os.environ[ENV_ATTEMPT_START] = repr(attempt_start)
+        os.environ.update({
+            ENV_RUN_DIR: str(path), ENV_JOB_ID: job_id, ENV_JOB_START: repr(job_start), ENV_ATTEMPT: str(attempt),
+            ENV_ATTEMPT_START: repr(attempt_start), ENV_EXPORTED_BY: str(os.getpid()),
+        })
     return JobContext(path, job_id, job_start, attempt, attempt_start, process_start)
-
-
-def wandb_available() -> bool:
-    """Whether ``wandb`` can be imported, without importing it (it costs ~1 s)."""
-    if "wandb" in sys.modules:
-        return sys.modules["wandb"] is not None
-    import importlib.util
-
-    return importlib.util.find_spec("wandb") is not None

@@ -78,8 +78,8 @@ def _read_records(path: Path) -> Iterator[dict[str, Any] | None]:
                 yield None  # a record torn by a kill mid-write
 
 
-def read_ledger(run_dir: str | os.PathLike) -> list[RankLedger]:
-    """Read every rank's ledger of every attempt under ``run_dir``, in (attempt, rank) order."""
+def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> list[RankLedger]:
+    """Read the ledgers under ``run_dir`` (every rank, or only ``ranks``), in (attempt, rank) order."""
     root = Path(run_dir) / LEDGER_DIR
     if not root.is_dir():
         raise FileNotFoundError(
@@ -89,7 +89,7 @@ def read_ledger(run_dir: str | os.PathLike) -> list[RankLedger]:
     ledgers = []
     for path in sorted(root.glob("attempt-*/rank-*.jsonl")):
         match = _FILE_RE.search(path.as_posix())
-        if match is None:
+        if match is None or (ranks is not None and int(match.group(2)) not in ranks):
             continue
         ledger = RankLedger(attempt=int(match.group(1)), rank=int(match.group(2)))
         for record in _read_records(path):

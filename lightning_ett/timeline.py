@@ -18,9 +18,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,6 +48,8 @@ class Phase(str, Enum):
 
     @classmethod
     def parse(cls, value: str | Phase) -> Phase:
+        if isinstance(value, Phase):
+            return value
         try:
             return cls(value)
         except ValueError:
@@ -75,9 +76,10 @@ class Event:
         return self.end - self.start
 
     def to_record(self) -> dict[str, Any]:
-        record = {"kind": "event", **asdict(self)}
-        if self.step is None:
-            del record["step"]
+        record: dict[str, Any] = {"kind": "event", "phase": self.phase, "start": self.start, "end": self.end,
+                                  "rank": self.rank, "attempt": self.attempt}
+        if self.step is not None:
+            record["step"] = self.step
         return record
 
 
@@ -95,10 +97,8 @@ class Timeline:
         self.run_dir: Path | None = None
         #: When set, process exit records ``shutdown`` from this time (see :func:`_finish_at_exit`).
         self.shutdown_from: float | None = None
-
-    @property
-    def bound(self) -> bool:
-        return self._writer is not None
+        #: Whether the ``import`` phase of this process was recorded (once per process).
+        self.import_recorded = False
 
     def bind(self, run_dir: Path, rank: int, attempt: int, header: dict[str, Any]) -> Path:
         """Start writing this rank's ledger; flush events recorded before the bind."""
@@ -114,7 +114,7 @@ class Timeline:
             writer.append({"kind": "header", "rank": rank, "attempt": attempt, "pid": os.getpid(), "host": host, **header})
             pending, self._pending = self._pending, []
             for event in pending:
-                writer.append(_rebadged(event, rank, attempt).to_record())
+                writer.append(replace(event, rank=rank, attempt=attempt).to_record())
         return path
 
     def close(self) -> None:
@@ -161,19 +161,6 @@ class Timeline:
         with self._lock:
             if self._writer is not None:
                 self._writer.append({"kind": "status", "status": status, "time": time.time()})
-
-    @contextmanager
-    def phase(self, phase: str | Phase, step: int | None = None) -> Iterator[None]:
-        name = Phase.parse(phase)
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.record(name, start, time.time(), step)
-
-
-def _rebadged(event: Event, rank: int, attempt: int) -> Event:
-    return Event(event.phase, event.start, event.end, rank, attempt, event.step)
 
 
 _TIMELINE = Timeline()

@@ -88,7 +88,15 @@ def test_state_survives_resume_and_warns_on_foreign_job(tmp_path):
     same_job.load_state_dict(earlier)
     assert same_job.context.job_start == earlier["job_start"]
     with pytest.warns(UserWarning, match="not by this job"):
-        same_job.load_state_dict(dict(state, job_id="someone-else"))
+        same_job.load_state_dict(dict(state, job_id="someone-else", run_dir=str(tmp_path / "elsewhere")))
+
+
+def test_a_second_job_in_the_same_process_does_not_inherit_the_first(tmp_path):
+    first = ETTMonitor(run_dir=tmp_path / "a")
+    again = ETTMonitor(run_dir=tmp_path / "a")  # same run dir: same job (fit, then test, in one script)
+    other = ETTMonitor(run_dir=tmp_path / "b")  # another run dir: another job, its own attempt count
+    assert again.context.job_id == first.context.job_id
+    assert other.context.job_id != first.context.job_id and other.run_dir == (tmp_path / "b").absolute()
 
 
 def test_monitor_pickles_for_spawn_based_launchers(tmp_path):

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.environment import ENV_LAUNCHER, JobContext, import_time, resolve_job_context
+from lightning_ett.environment import JobContext, import_time, resolve_job_context, write_job_file
 from lightning_ett.ledger import read_ledger
 from lightning_ett.summary import Summary, summarize
 from lightning_ett.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
@@ -42,7 +42,7 @@ class ETTMonitor(Callback):
             directory are attempts of one job.
         log_every_n_steps: how often (training steps) rank zero logs ``ett/percent`` and
             ``ett/<phase>_s`` to every attached logger; the final values are logged at the end.
-        report_on_end: print the rich table at the end of ``fit`` (a launcher prints its own).
+        report_on_end: print the rich table at the end of ``fit``.
     """
 
     def __init__(self, run_dir: str | Path | None = None, log_every_n_steps: int = 50, report_on_end: bool = True) -> None:
@@ -62,10 +62,11 @@ class ETTMonitor(Callback):
         self._prior: Summary | None = None
         self._logged_step = -1
         self._restore: list[Callable[[], None]] = []
-        if not getattr(self._timeline, "import_recorded", False):
+        self._started = False
+        if not self._timeline.import_recorded:
             imported = import_time()
             self._timeline.record(Phase.IMPORT, min(self.context.process_start, imported), imported)
-            self._timeline.import_recorded = True  # type: ignore[attr-defined]
+            self._timeline.import_recorded = True
 
     @property
     def _timeline(self) -> Timeline:
@@ -83,8 +84,12 @@ class ETTMonitor(Callback):
         header = {"job_id": ctx.job_id, "job_start": ctx.job_start, "attempt_start": ctx.attempt_start,
                   "process_start": ctx.process_start, "world_size": trainer.world_size}
         self._timeline.bind(ctx.run_dir, trainer.global_rank, ctx.attempt, header)
+        if trainer.is_global_zero:
+            write_job_file(ctx.run_dir, ctx.job_id, ctx.job_start)
         now = time.time()
-        self._timeline.record(Phase.PROCESS_GROUP_INIT, self._mark, now)
+        if not self._started:  # a later stage of the same Trainer (test after fit) has no start-up of its own
+            self._timeline.record(Phase.PROCESS_GROUP_INIT, self._mark, now)
+            self._started = True
         self._mark = now
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
@@ -113,12 +118,13 @@ class ETTMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_start = None  # a second fit starts with its own data_init
         if trainer.is_global_zero:
             self._prior = self._summarize_prior_attempts(trainer.global_step)
 
     def _summarize_prior_attempts(self, resume_step: int) -> Summary | None:
         """Rank zero's view of earlier attempts, for the live ETT% (read once per attempt)."""
-        ledgers = [lg for lg in read_ledger(self.run_dir) if lg.attempt < self.context.attempt and lg.rank == 0]
+        ledgers = [lg for lg in read_ledger(self.run_dir, ranks={0}) if lg.attempt < self.context.attempt]
         if not any(lg.events for lg in ledgers):
             return None
         return summarize(ledgers, later_resume_step=resume_step)
@@ -203,8 +209,7 @@ class ETTMonitor(Callback):
         self._log(trainer, _metrics(summary.phases, summary.wall_s))
         from lightning_ett.report import REPORT_PNG, write_report
 
-        show = self.report_on_end and not _under_launcher()
-        write_report(summary, self.run_dir, show=show)
+        write_report(summary, self.run_dir, show=self.report_on_end)
         self._log_wandb(trainer, summary, self.run_dir / REPORT_PNG)
 
     @staticmethod
@@ -229,7 +234,8 @@ class ETTMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("job_id") == self.context.job_id:
+        same_run_dir = state_dict.get("run_dir") == str(self.run_dir)
+        if state_dict.get("job_id") == self.context.job_id or same_run_dir:
             job_start = min(float(state_dict["job_start"]), self.context.job_start)
             self._timeline.amend_header(job_start=job_start)
             self.context = JobContext(**{**vars(self.context), "job_start": job_start})
@@ -249,9 +255,3 @@ def _metrics(seconds: dict[str, float], wall: float) -> dict[str, float]:
     metrics.update({"ett/percent": 100.0 * effective / wall if wall > 0 else 0.0, "ett/wall_s": wall,
                     "ett/effective_s": effective, "ett/lost_s": seconds.get(LOST, 0.0)})
     return metrics
-
-
-def _under_launcher() -> bool:
-    import os
-
-    return os.environ.get(ENV_LAUNCHER) == "1"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,19 +30,18 @@ from torch.optim import Optimizer
 
 META_FILE = "lightning.pt"
 MODEL_KEY = "state_dict"
-FUSED_KEY = "ett_fused_optimizer"
 DENSE_KEY = "optimizer_states"
+
+
+def _position_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
+    """Parameter names in the order ``optimizer.state_dict()`` numbers the parameters."""
+    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
 
 
 def name_keyed_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
     """``optimizer.state_dict()`` with parameter names instead of positions, so it survives re-wrapping."""
     state = optimizer.state_dict()
-    index_to_name: dict[int, str] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            index_to_name[index] = names[id(param)]
-            index += 1
+    index_to_name = dict(enumerate(_position_names(optimizer, names)))
     return {
         "state": {index_to_name[i]: s for i, s in state["state"].items()},
         "param_groups": [dict(g, params=[index_to_name[i] for i in g["params"]]) for g in state["param_groups"]],
@@ -49,12 +49,7 @@ def name_keyed_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> d
 
 
 def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any], names: dict[int, str]) -> None:
-    name_to_index: dict[str, int] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            name_to_index[names[id(param)]] = index
-            index += 1
+    name_to_index = {name: index for index, name in enumerate(_position_names(optimizer, names))}
     missing = sorted(set(saved["state"]) - set(name_to_index))
     if missing:
         raise KeyError(f"Checkpointed optimizer state for parameters this optimizer does not hold: {missing[:5]}")
@@ -79,12 +74,12 @@ def save_sharded(
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
-    tensors = {"model": model.state_dict()}
-    if fused is not None:
+    tensors = {"model": checkpoint.get(MODEL_KEY) or model.state_dict()}
+    if fused is not None and DENSE_KEY in checkpoint:  # a weights-only save carries no optimizer state
         tensors["fused"] = fused.state_dict()
     dcp.save(tensors, checkpoint_id=str(tmp))
     if rank == 0:
-        meta = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, FUSED_KEY)}
+        meta = {k: v for k, v in checkpoint.items() if k != MODEL_KEY}
         meta["ett_format"] = "dcp-v1"
         meta_tmp = tmp / (META_FILE + ".part")
         torch.save(meta, meta_tmp)
@@ -93,21 +88,35 @@ def save_sharded(
         os.replace(meta_tmp, tmp / META_FILE)
     barrier()
     if rank == 0:
-        # Overwriting a name (e.g. last.ckpt): move the old one aside first, so that no moment
-        # exists with the old copy deleted and the new one not yet in place.
-        old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        # Overwriting a name (e.g. last.ckpt): the old copy is moved aside, not deleted, until the
+        # new one is in place; a crash in between leaves it as `<name>.old`, which load_meta takes.
+        old = _old(final)
+        remove(old)
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        remove(old)
     barrier()
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, directory or file, if it exists."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
+    if not is_complete(path) and is_complete(_old(path)):
+        warnings.warn(f"{str(path)!r} is missing or incomplete (a crash while it was replaced); "
+                      f"loading the previous copy {str(_old(path))!r}.", stacklevel=2)
+        path = _old(path)
     if not is_complete(path):
         raise FileNotFoundError(
             f"{str(path)!r} is not a complete ETTStrategy checkpoint (no {META_FILE} or DCP .metadata in it)."

@@ -7,7 +7,6 @@ background), :mod:`.plan_cache` (local planning and its cache), :mod:`.checkpoin
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,6 @@ from typing_extensions import override
 from lightning_ett.strategies import checkpoint_io as ckpt
 from lightning_ett.strategies import sigterm
 from lightning_ett.strategies.overlap import BackgroundTask
-from lightning_ett.strategies.placement import move_dense_to_device
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
@@ -46,6 +44,7 @@ from lightning_ett.strategies.plan_cache import (
     embedding_tables,
     plan_digest,
     plan_inputs,
+    planned_tables,
     validate_constraints,
 )
 from lightning_ett.strategies.process_group import default_backend, init_process_group
@@ -70,6 +69,8 @@ class ETTStrategy(ParallelStrategy):
         constraints: per-table ``ParameterConstraints`` (override ``sharding_type``).
         sharders: TorchRec sharders; default: TorchRec's, with row-wise enabled on CPU.
         plan: a precomputed ``ShardingPlan`` (skips the planner).
+        topology: the planner's ``Topology``; default: world size, ranks per node and device type
+            of this job with TorchRec's default memory sizes (pass one to give the real HBM).
         fused_optimizer: optimizer the tables use, fused into backward: ``row_wise_adagrad``,
             ``adagrad``, ``sgd`` or ``adam``. Dense parameters use ``configure_optimizers``.
         fused_optimizer_kwargs: its hyper-parameters (default ``{"lr": 0.01}``).
@@ -85,6 +86,7 @@ class ETTStrategy(ParallelStrategy):
         constraints: dict[str, ParameterConstraints] | None = None,
         sharders: list[ModuleSharder[nn.Module]] | None = None,
         plan: ShardingPlan | None = None,
+        topology: Topology | None = None,
         fused_optimizer: str = "row_wise_adagrad",
         fused_optimizer_kwargs: dict[str, Any] | None = None,
         plan_cache_dir: str | Path | None = None,
@@ -109,6 +111,7 @@ class ETTStrategy(ParallelStrategy):
         self.constraints = dict(constraints or {})
         self._user_sharders = sharders
         self._user_plan = plan
+        self._user_topology = topology
         self.fused_optimizer = fused_optimizer
         self.fused_optimizer_kwargs = dict(fused_optimizer_kwargs or {"lr": 0.01})
         self.plan_cache = PlanCache(plan_cache_dir) if plan_cache_dir is not None else None
@@ -193,7 +196,7 @@ class ETTStrategy(ParallelStrategy):
         """Everything start-up needs that does not communicate: runs while the process group forms."""
         module = self.lightning_module
         assert module is not None
-        if self._dmp is not None:
+        if self._dmp is not None and self._dmp.module is module:
             return  # a later stage (validate/test after fit): the model is sharded already
         if is_overridden("configure_model", module):
             with record_phase(Phase.MODEL_INIT):
@@ -211,7 +214,6 @@ class ETTStrategy(ParallelStrategy):
     def _resolve_plan(self, module: nn.Module, tables: dict[str, Any]) -> ShardingPlan | None:
         self._sharders = list(self._user_sharders) if self._user_sharders is not None else default_sharders(self.root_device.type)
         if not tables:
-            rank_zero_warn("ETTStrategy: the model has no TorchRec embedding modules; it trains data-parallel (DDP through DMP).")
             self.plan_source = "none"
             return None
         constraints = self._constraints(tables)
@@ -219,7 +221,9 @@ class ETTStrategy(ParallelStrategy):
             check_plan_covers(self._user_plan, tables, "ETTStrategy(plan=...)")
             self.plan_source = "user"
             return self._user_plan
-        topology = Topology(world_size=self.world_size, compute_device=self.root_device.type, local_world_size=self.num_processes)
+        topology = self._user_topology or Topology(
+            world_size=self.world_size, compute_device=self.root_device.type, local_world_size=self.num_processes
+        )
         inputs = plan_inputs(tables, topology, self._sharders, constraints, self.planner_batch_size)
         if self.plan_cache is not None:
             cached = self.plan_cache.load(inputs, tables)
@@ -262,6 +266,7 @@ class ETTStrategy(ParallelStrategy):
         if self._dmp is not None and self._dmp.module is module:
             self.model = self._dmp  # sharded by an earlier stage of this Trainer
         else:
+            self._replan_if_tables_changed(module)
             self._wrap(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -273,12 +278,24 @@ class ETTStrategy(ParallelStrategy):
             rank_zero_warn("ETTStrategy: the fused embedding optimizer steps in every backward; "
                            "`accumulate_grad_batches > 1` accumulates only the dense gradients.")
 
+    def _replan_if_tables_changed(self, module: pl.LightningModule) -> None:
+        """Tables built in ``setup()`` or by Lightning's ``configure_model`` call appear only after
+        the overlap window: plan again (locally, and check again that all ranks agree)."""
+        tables = embedding_tables(module)
+        planned = planned_tables(self.plan) if self.plan is not None else set()
+        if set(tables) == planned:
+            return
+        with record_phase(Phase.SHARDING_PLAN):
+            self.plan = self._resolve_plan(module, tables)
+        self._check_ranks_agree_on_plan()
+
     def _wrap(self, module: pl.LightningModule) -> None:
         """Shard the tables and wrap the rest in DDP (DMP's collectives: only after the join)."""
+        if self.plan is None:
+            rank_zero_warn("ETTStrategy: the model has no TorchRec embedding modules; it trains data-parallel (DDP through DMP).")
         with record_phase(Phase.MODEL_INIT):
             if self.plan is not None:
                 apply_fused_optimizer(module, self.fused_optimizer, self.fused_optimizer_kwargs)
-            move_dense_to_device(module, self.root_device)
             self.model = self._dmp = DistributedModelParallel(
                 module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=self.root_device,
                 plan=self.plan or ShardingPlan({}), sharders=self._sharders, init_data_parallel=True, init_parameters=True,
@@ -286,17 +303,20 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        assert self.lightning_module is not None
-        move_dense_to_device(self.lightning_module, self.root_device)
+        """Nothing to do: DMP allocates each table shard on the device and moves the dense part
+        there when it builds its DDP wrapper."""
 
     def _route_sharded_parameters(self) -> None:
         """Drop the tables from the user's optimizers: the fused optimizer updates them in backward."""
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
-                fused = [p for p in group["params"] if hasattr(p, "_in_backward_optimizers")]
-                group["params"] = [p for p in group["params"] if not hasattr(p, "_in_backward_optimizers")]
-                for param in fused:
-                    optimizer.state.pop(param, None)  # eager optimizers (Adagrad) built state for the tables too
+                kept = []
+                for param in group["params"]:
+                    if hasattr(param, "_in_backward_optimizers"):
+                        optimizer.state.pop(param, None)  # eager optimizers (Adagrad) built state for the tables too
+                    else:
+                        kept.append(param)
+                group["params"] = kept
             if not any(group["params"] for group in optimizer.param_groups):
                 rank_zero_warn(f"ETTStrategy: {type(optimizer).__name__} from configure_optimizers holds only embedding "
                                "tables, which the fused optimizer already updates; it has nothing left to step.")
@@ -381,11 +401,7 @@ class ETTStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            ckpt.remove(Path(filepath))
 
     @override
     def on_train_start(self) -> None:

@@ -66,6 +66,8 @@ def install(trainer: Any) -> DeferredSigtermBroadcast | None:
     """
     if not (dist.is_available() and dist.is_initialized()) or "gloo" not in str(dist.get_backend()):
         return None
+    if dist.get_world_size() < 2:
+        return None  # Lightning neither broadcasts nor needs to: its own SIGTERM handling stays
     loop = trainer.fit_loop.epoch_loop
     connector = getattr(trainer, "_signal_connector", None)
     notifier = getattr(connector, "_sigterm_notifier_fn", None)

@@ -132,3 +132,11 @@ def test_torchrun_restart_after_a_sigkill_reforms_the_process_group(tmp_path):
     s = summarize_run_dir(tmp_path / "ett")
     assert [a.completed for a in s.attempts] == [False, True]
     assert s.lost_s > 0  # attempt 0's steps were re-run (no checkpoint in this job)
+
+
+def test_tables_built_in_setup_are_planned_after_the_overlap_window(tmp_path):
+    proc = run_script(JOB, "--out", str(tmp_path), "--max-steps", "4", "--build-in-setup", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "no TorchRec embedding modules" not in proc.stderr
+    ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
+    assert all(r["plan_source"] == "planner" and "t0" in r["plan"] and "table_wise" in r["plan"] for r in ranks)

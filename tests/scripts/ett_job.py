@@ -47,16 +47,25 @@ class Steps(IterableDataset):
 
 
 class ShardedDLRM(LightningModule):
-    def __init__(self, rows: int, batch: int) -> None:
+    def __init__(self, rows: int, batch: int, build_in_setup: bool = False) -> None:
         super().__init__()
         self.rows, self.batch = rows, batch
-        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[k]) for i, k in enumerate(KEYS)]
+        self.dlrm: DLRM | None = None
+        if not build_in_setup:
+            self.build()
+        self.losses: list[float] = []
+
+    def setup(self, stage: str) -> None:
+        if self.dlrm is None:
+            self.build()  # tables that exist only after ETTStrategy's overlap window
+
+    def build(self) -> None:
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=self.rows, feature_names=[k]) for i, k in enumerate(KEYS)]
         torch.manual_seed(0)
         self.dlrm = DLRM(
             embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
             dense_in_features=DENSE, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
         )
-        self.losses: list[float] = []
 
     sigterm_at: int | None = None
     kill_at: int | None = None
@@ -109,6 +118,7 @@ def main() -> None:
     p.add_argument("--sigterm-at", type=int, default=None)
     p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default="adam")
     p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself at this step of attempt 0")
+    p.add_argument("--build-in-setup", action="store_true", help="build the tables in LightningModule.setup()")
     p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
     args = p.parse_args()
 
@@ -124,7 +134,7 @@ def main() -> None:
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every), gradient_clip_val=1.0)
-    model = ShardedDLRM(args.rows, args.batch)
+    model = ShardedDLRM(args.rows, args.batch, build_in_setup=args.build_in_setup)
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer
     model.kill_at = args.kill_at
