@@ -80,6 +80,11 @@ class ETTMonitor(Callback):
     # ------------------------------------------------------------------ start-up
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Ranks that count their own ledger files (no launcher numbered the attempt) could disagree
+        # if a rank died before writing one: take rank 0's number (one tiny broadcast, once).
+        attempt = trainer.strategy.broadcast(self.context.attempt, src=0)
+        if attempt != self.context.attempt:
+            self.context = JobContext(**{**vars(self.context), "attempt": attempt})
         ctx = self.context
         header = {"job_id": ctx.job_id, "job_start": ctx.job_start, "attempt_start": ctx.attempt_start,
                   "process_start": ctx.process_start, "world_size": trainer.world_size}
