@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing_extensions import override
 
 from lightning_ett.environment import JobContext, import_time, resolve_job_context, write_job_file
 from lightning_ett.ledger import read_ledger
-from lightning_ett.summary import Summary, summarize
+from lightning_ett.summary import Summary, summarize, summarize_run_dir
 from lightning_ett.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
 
 
@@ -84,7 +85,7 @@ class ETTMonitor(Callback):
         # if a rank died before writing one: take rank 0's number (one tiny broadcast, once).
         attempt = trainer.strategy.broadcast(self.context.attempt, src=0)
         if attempt != self.context.attempt:
-            self.context = JobContext(**{**vars(self.context), "attempt": attempt})
+            self.context = dataclasses.replace(self.context, attempt=attempt)
         ctx = self.context
         header = {"job_id": ctx.job_id, "job_start": ctx.job_start, "attempt_start": ctx.attempt_start,
                   "process_start": ctx.process_start, "world_size": trainer.world_size}
@@ -210,7 +211,7 @@ class ETTMonitor(Callback):
         self._restore.clear()
         if stage != "fit" or not trainer.is_global_zero:
             return
-        summary = summarize(read_ledger(self.run_dir), now=time.time())
+        summary = summarize_run_dir(self.run_dir, now=time.time())
         self._log(trainer, _metrics(summary.phases, summary.wall_s))
         from lightning_ett.report import REPORT_PNG, write_report
 
@@ -243,7 +244,7 @@ class ETTMonitor(Callback):
         if state_dict.get("job_id") == self.context.job_id or same_run_dir:
             job_start = min(float(state_dict["job_start"]), self.context.job_start)
             self._timeline.amend_header(job_start=job_start)
-            self.context = JobContext(**{**vars(self.context), "job_start": job_start})
+            self.context = dataclasses.replace(self.context, job_start=job_start)
         else:
             rank_zero_warn(
                 f"ETTMonitor: this checkpoint was written by ETT job {state_dict.get('job_id')!r} "

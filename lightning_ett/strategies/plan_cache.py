@@ -27,16 +27,16 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
 
 
+def embedding_modules(module: nn.Module) -> list[EmbeddingBagCollection | EmbeddingCollection]:
+    """The unsharded TorchRec embedding modules inside ``module`` (what DMP will shard)."""
+    return [sub for sub in module.modules() if isinstance(sub, (EmbeddingBagCollection, EmbeddingCollection))]
+
+
 def embedding_tables(module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
     """Every table of every (unsharded) TorchRec embedding module in ``module``, by table name."""
     tables: dict[str, BaseEmbeddingConfig] = {}
-    for sub in module.modules():
-        if isinstance(sub, EmbeddingBagCollection):
-            configs = sub.embedding_bag_configs()
-        elif isinstance(sub, EmbeddingCollection):
-            configs = sub.embedding_configs()
-        else:
-            continue
+    for sub in embedding_modules(module):
+        configs = sub.embedding_bag_configs() if isinstance(sub, EmbeddingBagCollection) else sub.embedding_configs()
         for config in configs:
             tables[config.name] = config
     return tables

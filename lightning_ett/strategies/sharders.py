@@ -9,9 +9,10 @@ from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from lightning_ett.strategies.plan_cache import embedding_modules
 
 FUSED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "row_wise_adagrad": RowWiseAdagrad,
@@ -40,9 +41,6 @@ def default_sharders(compute_device_type: str) -> list[ModuleSharder[nn.Module]]
 
 def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
     """Fuse the table optimizer into backward (once; a second setup must not stack another)."""
-    params = [
-        p for sub in module.modules() if isinstance(sub, (EmbeddingBagCollection, EmbeddingCollection))
-        for p in sub.parameters() if not hasattr(p, "_in_backward_optimizers")
-    ]
+    params = [p for sub in embedding_modules(module) for p in sub.parameters() if not hasattr(p, "_in_backward_optimizers")]
     if params:
         apply_optimizer_in_backward(FUSED_OPTIMIZERS[name], params, kwargs)
