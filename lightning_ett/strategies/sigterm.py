@@ -6,8 +6,10 @@ GPUs, a device synchronization per step. Its SIGTERM handler on rank 0 adds one 
 blocking broadcast, from inside the signal handler, to pair with the other ranks' next one.
 
 This keeps the guarantee (every rank stops when rank 0 is told to) with a CPU tensor
-(gloo, also in a ``cpu:gloo,cuda:nccl`` group) sent asynchronously: each step waits for the
-previous step's flag, which has long arrived. When the flag is set, every rank marks
+(gloo, also in a ``cpu:gloo,cuda:nccl`` group) sent asynchronously and only every
+``interval`` steps: each broadcast waits for the previous one's flag, which has long arrived, and
+no collective runs on the other steps (on a 2-core machine even gloo's background thread
+competes with the step's kernels). Every rank counts the same steps, so the collectives pair up. When the flag is set, every rank marks
 ``received_sigterm`` at the same step boundary, and Lightning's own end-of-batch check then
 stops all ranks after the same batch. The signal handler only records the signal (and
 forwards it to Lightning-launched children, as before).
@@ -26,13 +28,20 @@ log = logging.getLogger(__name__)
 
 
 class DeferredSigtermBroadcast:
-    def __init__(self, trainer: Any, connector: Any) -> None:
+    def __init__(self, trainer: Any, connector: Any, interval: int = 8) -> None:
+        if interval < 1:
+            raise ValueError(f"`interval` must be >= 1, got {interval}")
         self.trainer = trainer
+        self.interval = interval
+        self._calls = 0
         self.connector = connector
         self.requested = False  # rank 0's handler sets it; only the broadcast makes it act
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def __call__(self) -> None:
+        self._calls += 1
+        if self._calls % self.interval:
+            return
         self.flush()
         if self.connector.received_sigterm:
             return  # decided: Lightning stops every rank after this batch
