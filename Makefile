@@ -18,7 +18,9 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	touch $(STAMP)
 
 # Main job: the TorchRec DLRM example on 2 CPU processes (gloo), W&B offline unless WANDB_API_KEY is set.
+# Starts fresh: AsyncCheckpoint would otherwise resume from the previous run's last checkpoint.
 example: install
+	rm -rf ett_runs/dlrm-example/checkpoints
 	$(PY) examples/dlrm_example.py fit --config examples/dlrm.yaml
 
 test: install

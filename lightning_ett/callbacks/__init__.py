@@ -1,5 +1,6 @@
 """Lightning callbacks of lightning-ett."""
 
+from lightning_ett.callbacks.checkpoint import AsyncCheckpoint, CheckpointWriteError
 from lightning_ett.callbacks.monitor import ETTMonitor
 
-__all__ = ["ETTMonitor"]
+__all__ = ["AsyncCheckpoint", "CheckpointWriteError", "ETTMonitor"]

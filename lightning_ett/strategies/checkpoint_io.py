@@ -28,7 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim import Optimizer
 
-META_FILE = "lightning.pt"
+from lightning_ett.checkpoint_format import META_FILE, remove
+
 MODEL_KEY = "state_dict"
 DENSE_KEY = "optimizer_states"
 
@@ -66,21 +67,17 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def save_sharded(
-    checkpoint: dict[str, Any], path: str | os.PathLike, model: nn.Module, fused: Any, rank: int, barrier: Callable[[], None]
+    tensors: dict[str, Any], checkpoint: dict[str, Any], path: str | os.PathLike, rank: int, barrier: Callable[[], None]
 ) -> None:
-    """Write ``checkpoint`` as a DCP directory (collective: every rank calls it)."""
+    """Write ``tensors`` with DCP and ``checkpoint`` (the rest) as ``lightning.pt`` (collective: every rank calls it)."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
-    tensors = {"model": checkpoint.get(MODEL_KEY) or model.state_dict()}
-    if fused is not None and DENSE_KEY in checkpoint:  # a weights-only save carries no optimizer state
-        tensors["fused"] = fused.state_dict()
     dcp.save(tensors, checkpoint_id=str(tmp))
     if rank == 0:
-        meta = {k: v for k, v in checkpoint.items() if k != MODEL_KEY}
-        meta["ett_format"] = "dcp-v1"
+        meta = dict(checkpoint)
         meta_tmp = tmp / (META_FILE + ".part")
         torch.save(meta, meta_tmp)
         with open(meta_tmp, "rb") as f:
@@ -101,14 +98,6 @@ def save_sharded(
 
 def _old(path: Path) -> Path:
     return path.with_name(path.name + ".old")
-
-
-def remove(path: Path) -> None:
-    """Delete a checkpoint, directory or file, if it exists."""
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:

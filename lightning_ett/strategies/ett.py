@@ -375,8 +375,24 @@ class ETTStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("ETTStrategy.save_checkpoint(storage_options=...) is not supported: DCP writes the files.")
+        checkpoint = dict(checkpoint)
+        tensors = self.dcp_checkpoint_tensors(checkpoint)
+        ckpt.save_sharded(tensors, checkpoint, filepath, self.global_rank, self.barrier)
+
+    def dcp_checkpoint_tensors(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Take the sharded parts out of a Lightning ``checkpoint`` (in place) for a collective DCP write.
+
+        Returns ``{"model": ..., "fused": ...}`` (sharded tables as ShardedTensors; the fused
+        optimizer's state unless this is a weights-only checkpoint); what stays in
+        ``checkpoint`` goes to ``lightning.pt``. AsyncCheckpoint calls this too: its presence
+        tells it that every rank must take part in the write.
+        """
         assert self.model is not None
-        ckpt.save_sharded(checkpoint, filepath, self.model, self.fused_optimizer_instance, self.global_rank, self.barrier)
+        tensors = {"model": checkpoint.pop(ckpt.MODEL_KEY, None) or self.model.state_dict()}
+        fused = self.fused_optimizer_instance
+        if fused is not None and ckpt.DENSE_KEY in checkpoint:  # a weights-only save carries no optimizer state
+            tensors["fused"] = fused.state_dict()
+        return tensors
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

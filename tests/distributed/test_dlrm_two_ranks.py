@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import REPO, run_script
-from lightning_ett import summarize_run_dir
+from lightning_ett import checkpoint_format, summarize_run_dir
 from lightning_ett.ledger import read_ledger
 
 
@@ -29,6 +29,9 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert saved and all((tmp_path / "ckpt" / name / "lightning.pt").is_file() for name in saved), saved
+    # The example's AsyncCheckpoint (every 800 steps) saved at the end of fit, durably.
+    newest = checkpoint_format.newest_complete(tmp_path / "ett_runs" / "dlrm-example" / "checkpoints")
+    assert newest is not None and newest.name == "step-000000040"
 
     ledgers = read_ledger(run_dir)
     assert sorted(lg.rank for lg in ledgers) == [0, 1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec.models.dlrm import DLRM
@@ -21,7 +21,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_ett import ETTMonitor, ETTStrategy
+from lightning_ett import AsyncCheckpoint, ETTMonitor, ETTStrategy
 
 KEYS = [f"f{i}" for i in range(4)]
 DENSE = 8
@@ -92,6 +92,17 @@ class ShardedDLRM(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SyncReference(Callback):
+    """A synchronous save at the step boundary where AsyncCheckpoint snapshots: the state it must equal."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, value in module.state_dict().items():
@@ -120,6 +131,11 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself at this step of attempt 0")
     p.add_argument("--build-in-setup", action="store_true", help="build the tables in LightningModule.setup()")
     p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
+    p.add_argument("--async-every", type=int, default=0, help="AsyncCheckpoint every N steps into --ckpt-dir")
+    p.add_argument("--async-keep", type=int, default=3)
+    p.add_argument("--async-minutes", type=float, default=None, help="AsyncCheckpoint every_n_minutes into --ckpt-dir")
+    p.add_argument("--sync-ref-at", type=int, default=None,
+                   help="also save synchronously (trainer.save_checkpoint) at this step, into OUT/ref")
     args = p.parse_args()
 
     out = Path(args.out)
@@ -131,9 +147,15 @@ def main() -> None:
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
                                          filename="step{step}", auto_insert_metric_name=False))
+    if args.async_every or args.async_minutes:
+        interval = {"every_n_minutes": args.async_minutes} if args.async_minutes else {"every_n_train_steps": args.async_every}
+        callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, **interval))
+    if args.sync_ref_at is not None:
+        callbacks.append(SyncReference(args.sync_ref_at, out / "ref"))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every), gradient_clip_val=1.0)
+                      num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),
+                      gradient_clip_val=1.0)
     model = ShardedDLRM(args.rows, args.batch, build_in_setup=args.build_in_setup)
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer

@@ -1,0 +1,191 @@
+"""One checkpoint-cost measurement: a Lightning job with GIB GiB of state saved by METHOD.
+
+The model is a GIB-GiB embedding table (sparse SGD updates a few rows per step, as a
+recommendation model's tables are updated) feeding a dense MLP whose step takes tens of ms.
+Two saves: the first warms up whatever each method reuses, the second is measured:
+
+* blocked: seconds the training thread spent in the save (for DCP with a background-staging
+  stager, plus the wait for staging to finish before the next step may mutate the state);
+* cost: blocked + the extra step time (over the median step without a save) of every step that
+  ran while the write was in flight — on a 2-core machine the writer competes with training.
+
+Writes a JSON line to OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, IterableDataset
+
+DIM, BATCH = 256, 1024
+METHODS = ("torch_save", "lightning_async", "dcp_async_default", "dcp_async_stager", "ours")
+
+
+class Steps(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while True:
+            yield 0
+
+
+class BigState(LightningModule):
+    def __init__(self, gib: float) -> None:
+        super().__init__()
+        self.rows = int(gib * 2**30 / 4 / DIM)
+        self.table = torch.nn.Embedding(self.rows, DIM, sparse=True, _weight=torch.zeros(self.rows, DIM))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                       torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+
+    def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
+        ids = torch.randint(0, self.rows, (BATCH,), generator=torch.Generator().manual_seed(self.global_step))
+        return self.mlp(self.table(ids)).pow(2).mean()
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class Saver:
+    """start(trainer) -> None (blocking part); ready() before the next step; done() when durable."""
+
+    def __init__(self, method: str, root: Path) -> None:
+        self.method, self.root, self.n = method, root, 0
+        self.future: Any = None
+        self.staging: Any = None
+        self.async_checkpoint: Any = None
+        if method == "dcp_async_stager":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # CUDA-only options off (the defaults assert on a CPU-only machine); staging in the background.
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=False))
+        if method == "ours":
+            from lightning_ett import AsyncCheckpoint
+
+            self.async_checkpoint = AsyncCheckpoint(root, every_n_train_steps=10**9, keep_last_n=1,
+                                                    save_on_train_end=False, resume=False)
+
+    def start(self, trainer: Trainer) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.n += 1
+        path = self.root / f"save{self.n}"
+        if self.method == "torch_save":
+            trainer.save_checkpoint(path)
+        elif self.method == "lightning_async":
+            trainer.save_checkpoint(path)
+            self.future = trainer.strategy.checkpoint_io._executor.submit(lambda: None)  # FIFO: done after the save
+        elif self.method == "dcp_async_default":
+            self.future = dcp.async_save({"model": trainer.lightning_module.state_dict()}, checkpoint_id=str(path))
+        elif self.method == "dcp_async_stager":
+            response = dcp.async_save({"model": trainer.lightning_module.state_dict()}, checkpoint_id=str(path),
+                                      async_stager=self.stager)
+            self.staging, self.future = response.staging_completion, response.upload_completion
+        else:
+            self.async_checkpoint._save(trainer)
+
+    def ready(self) -> None:
+        if self.staging is not None:
+            self.staging.result()  # no mutation before the snapshot is complete
+            self.staging = None
+
+    def done(self) -> bool:
+        if self.method == "ours":
+            return not self.async_checkpoint._writer.busy
+        return self.future is None or self.future.done()
+
+    def finish(self) -> None:
+        if self.future is not None:
+            self.future.result()
+        if self.method == "ours":
+            self.async_checkpoint._writer.wait()
+
+
+class Driver(Callback):
+    """warm-up -> save 1 -> drain -> baseline steps -> save 2 (measured) -> drain -> stop."""
+
+    def __init__(self, saver: Saver, baseline_steps: int = 20) -> None:
+        self.saver, self.baseline_steps = saver, baseline_steps
+        self.stage, self.count, self.step_start = "warmup", 0, 0.0
+        self.baseline: list[float] = []
+        self.during: list[float] = []
+        self.blocked = 0.0
+        self.write_started = 0.0
+        self.write_s = 0.0
+        self.staging_bytes: int | None = None
+
+    def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
+        if self.stage == "measure":
+            t = time.perf_counter()
+            self.saver.ready()
+            self.blocked += time.perf_counter() - t
+        self.step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
+        step_s = time.perf_counter() - self.step_start
+        self.count += 1
+        if self.stage == "warmup" and self.count >= 5:
+            self.saver.start(trainer)
+            self.stage, self.count = "drain1", 0
+        elif self.stage == "drain1":
+            self.saver.ready()
+            if self.saver.done() and self.count >= 3:
+                self.saver.finish()
+                self.stage, self.count = "baseline", 0
+        elif self.stage == "baseline":
+            self.baseline.append(step_s)
+            if self.count >= self.baseline_steps:
+                t = time.perf_counter()
+                if self.saver.async_checkpoint is not None:
+                    self.staging_bytes = self.saver.async_checkpoint._stager.nbytes
+                self.saver.start(trainer)
+                self.blocked = time.perf_counter() - t
+                self.write_started = t
+                self.stage, self.count = "measure", 0
+        elif self.stage == "measure":
+            self.during.append(step_s)
+            if self.saver.done():
+                self.write_s = time.perf_counter() - self.write_started
+                self.saver.finish()
+                trainer.should_stop = True
+                self.stage = "stopped"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--gib", type=float, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    root = Path(args.dir)
+    torch.manual_seed(0)
+    saver = Saver(args.method, root)
+    driver = Driver(saver)
+    callbacks: list[Callback] = [driver] + ([saver.async_checkpoint] if saver.async_checkpoint is not None else [])
+    plugins = []
+    if args.method == "lightning_async":
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        plugins.append(AsyncCheckpointIO())
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=100_000, callbacks=callbacks, plugins=plugins, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=args.method == "ours",
+                      limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(BigState(args.gib), DataLoader(Steps(), batch_size=None))
+    step = statistics.median(driver.baseline)
+    extra = sum(driver.during) - step * len(driver.during)  # unclipped: noise cancels rather than adds up
+    staging = driver.staging_bytes
+    Path(args.out).write_text(json.dumps({
+        "method": args.method, "gib": args.gib, "blocked_s": driver.blocked, "slowdown_s": extra,
+        "cost_s": driver.blocked + extra, "write_s": driver.write_s, "steps_during_write": len(driver.during),
+        "step_s": step, "staging_bytes": staging}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""AsyncCheckpoint: non-blocking, durable checkpoints with automatic resume."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_ett import checkpoint_format as fmt
+from lightning_ett.callbacks.staging import Stager
+from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWriter, WriteResult
+from lightning_ett.timeline import Phase, record_phase
+
+WhenBusy = Literal["skip", "wait"]
+_TIME_CHECK_EVERY = 16  # multi-rank `every_n_minutes`: rank 0's clock is consulted every this many steps
+
+
+class AsyncCheckpoint(Checkpoint):
+    r"""Checkpoint without stopping training: snapshot at a step boundary, write in the background.
+
+    At a due step (after the optimizer step, before the next forward/backward — TorchRec's
+    fused optimizer updates tables *during* backward, so this is the last safe point) the
+    whole Lightning checkpoint — model, dense and fused optimizers, loops, callbacks,
+    datamodule — is copied into CPU buffers reused across saves (pinned, with non-blocking
+    copies, on CUDA; no second copy on the accelerator). A worker thread then writes it with
+    ``torch.distributed.checkpoint`` while training continues, and commits it atomically:
+    fsync, ``manifest.json`` with CRC-32s, rename, ``latest``, retention. See
+    :mod:`lightning_ett.checkpoint_format` for the layout.
+
+    Under ``ETTStrategy`` every rank writes its own shards (collectively, on a dedicated gloo
+    group); with other strategies the global rank 0 writes the whole checkpoint.
+
+    Args:
+        dirpath: directory of the checkpoints (one sub-directory ``step-<global step>`` each).
+        every_n_train_steps: save every N optimizer steps.
+        every_n_minutes: save when this many minutes have passed since the last save (rank 0's
+            clock decides; with several ranks it is consulted every 16 steps). Give exactly
+            one of ``every_n_train_steps`` / ``every_n_minutes``.
+        keep_last_n: complete checkpoints to keep (``None``: all). The newest complete one is
+            never deleted, and old ones only after a newer one is committed.
+        save_on_train_end: also save when ``fit`` ends (and wait until it is durable).
+        when_busy: a save that comes due while the previous one is still being written is
+            ``"skip"``\ped (with a warning; training never blocks on a slow disk) or waits
+            for it (``"wait"``; the wait counts as ``checkpoint_save``).
+        resume: with no ``ckpt_path`` given to ``fit``, resume from the newest *complete*
+            checkpoint in ``dirpath`` (damaged ones are skipped with a warning naming them).
+            An explicit ``ckpt_path`` always wins.
+        verify_checksums: on resume, check every file's CRC-32 (else only its size).
+
+    ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
+    write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``
+    and ``checkpoint/staging_bytes``); the load on resume is ``checkpoint_load``.
+
+    A failure of the background writer (disk full, permissions, I/O error) is raised on the
+    training thread at the next save or at the end of ``fit`` as ``CheckpointWriteError``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path,
+        every_n_train_steps: int | None = None,
+        every_n_minutes: float | None = None,
+        keep_last_n: int | None = 3,
+        save_on_train_end: bool = True,
+        when_busy: WhenBusy = "skip",
+        resume: bool = True,
+        verify_checksums: bool = True,
+    ) -> None:
+        if not isinstance(dirpath, (str, Path)) or not str(dirpath):
+            raise TypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
+        if every_n_train_steps is None and every_n_minutes is None:
+            raise ValueError("AsyncCheckpoint: give `every_n_train_steps` (e.g. 1000) or `every_n_minutes` (e.g. 30).")
+        if every_n_train_steps is not None and every_n_minutes is not None:
+            raise ValueError(
+                f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}, every_n_minutes={every_n_minutes!r}): "
+                "the two intervals conflict; give only one."
+            )
+        if every_n_train_steps is not None and (
+            not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 1
+        ):
+            raise ValueError(f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}): expected an int >= 1.")
+        if every_n_minutes is not None and (isinstance(every_n_minutes, bool) or not isinstance(every_n_minutes, (int, float))
+                                            or every_n_minutes <= 0):
+            raise ValueError(f"AsyncCheckpoint(every_n_minutes={every_n_minutes!r}): expected a number > 0.")
+        if keep_last_n is not None and (not isinstance(keep_last_n, int) or isinstance(keep_last_n, bool) or keep_last_n < 1):
+            raise ValueError(f"AsyncCheckpoint(keep_last_n={keep_last_n!r}): expected an int >= 1, or None to keep all.")
+        if when_busy not in ("skip", "wait"):
+            raise ValueError(f"AsyncCheckpoint(when_busy={when_busy!r}): expected 'skip' or 'wait'.")
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_minutes = every_n_minutes
+        self.keep_last_n = keep_last_n
+        self.save_on_train_end = save_on_train_end
+        self.when_busy: WhenBusy = when_busy
+        self.resume = resume
+        self.verify_checksums = verify_checksums
+        # resumable state
+        self.last_saved_step = -1
+        self.saves = 0
+        self.skipped = 0
+        # per-fit state
+        self._stager = Stager()
+        self._writer: CheckpointWriter | None = None
+        self._last_save_time = time.monotonic()
+        self._steps_seen = 0
+        self._resume_path: str | None = None
+        self._patched: list[tuple[Any, str, Any]] = []
+        self._pending_blocked: dict[int, float] = {}
+        self._crashed = False
+        self._group: Any | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=str(self.dirpath))
+
+    # ------------------------------------------------------------------ set-up and resume
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.dirpath = self.dirpath.absolute()
+        self._check_writable(trainer.global_rank)
+        if trainer.is_global_zero:
+            for stale in self.dirpath.glob("step-*" + fmt.TMP_SUFFIX):
+                fmt.remove(stale)  # from a crashed attempt; never selected, now deleted
+        collective = callable(getattr(trainer.strategy, "dcp_checkpoint_tensors", None))
+        group = None
+        if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.new_group(backend="gloo")  # the writer's collectives never meet training's
+        self._group = group
+        self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n)
+        self._crashed = False
+        self._last_save_time = time.monotonic()
+        if not collective:
+            self._patch(trainer.strategy, "checkpoint_io", _DirectoryAwareIO(trainer.strategy.checkpoint_io))
+        if self.resume:
+            self._select_resume_checkpoint(trainer)
+        trainer.strategy.barrier("AsyncCheckpoint.setup")  # stale .tmp directories are gone everywhere
+
+    def _check_writable(self, rank: int) -> None:
+        probe = self.dirpath / f".write-probe-{rank}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise PermissionError(
+                f"AsyncCheckpoint(dirpath={str(self.dirpath)!r}) is not writable ({e.strerror or e}); "
+                "pass a directory this job can create files in."
+            ) from e
+
+    def _select_resume_checkpoint(self, trainer: pl.Trainer) -> None:
+        path = None
+        if trainer.is_global_zero:
+            with record_phase(Phase.CHECKPOINT_LOAD):
+                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums)
+            path = str(found) if found is not None else None
+        self._resume_path = trainer.strategy.broadcast(path, src=0)
+        if self._resume_path is None:
+            return
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+
+        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            if not checkpoint_path and trainer.state.fn == "fit":
+                rank_zero_info(f"AsyncCheckpoint: resuming from the newest complete checkpoint {self._resume_path}")
+                checkpoint_path = self._resume_path
+            original(checkpoint_path, weights_only=weights_only)
+
+        self._patch(connector, "resume_start", resume_start)
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name`` for this fit; :meth:`_unpatch` puts back what was there (attribute or property)."""
+        own = name in vars(obj) or isinstance(getattr(type(obj), name, None), property)
+        self._patched.append((obj, name, getattr(obj, name) if own else _MISSING))
+        setattr(obj, name, value)
+
+    def _unpatch(self) -> None:
+        for obj, name, old in reversed(self._patched):
+            if old is _MISSING:
+                vars(obj).pop(name, None)  # the class attribute (e.g. a method) shows through again
+            else:
+                setattr(obj, name, old)
+        self._patched.clear()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step > 0:  # resumed: the restored step is saved already
+            self.last_saved_step = max(self.last_saved_step, trainer.global_step)
+
+    # ------------------------------------------------------------------ saving
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self._writer is not None
+        self._report(trainer, self._writer.poll())
+        if _accumulating(trainer):
+            return  # not a step boundary: gradients of this optimizer step are still being accumulated
+        self._steps_seen += 1
+        if self._due(trainer):
+            self._save(trainer)
+
+    def _due(self, trainer: pl.Trainer) -> bool:
+        step = trainer.global_step
+        if step == self.last_saved_step:
+            return False
+        if self.every_n_train_steps is not None:
+            return step % self.every_n_train_steps == 0
+        assert self.every_n_minutes is not None
+        elapsed = time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes
+        if trainer.world_size == 1:
+            return elapsed
+        if self._steps_seen % _TIME_CHECK_EVERY:
+            return False
+        return bool(trainer.strategy.broadcast(elapsed, src=0))  # every rank saves at the same step
+
+    def _save(self, trainer: pl.Trainer, final: bool = False) -> None:
+        assert self._writer is not None
+        step = trainer.global_step
+        start = time.perf_counter()
+        with record_phase(Phase.CHECKPOINT_SAVE, step):
+            busy = self._agree_busy(trainer)
+            if busy and not final and self.when_busy == "skip":
+                self.skipped += 1
+                rank_zero_warn(f"AsyncCheckpoint: skipping the save of step {step}: the previous save is still being "
+                               "written (when_busy='skip'). Save less often or pass when_busy='wait'.")
+                return
+            if busy:
+                self._report(trainer, self._writer.wait())
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            split = getattr(trainer.strategy, "dcp_checkpoint_tensors", None)
+            if callable(split):
+                tensors = split(checkpoint)  # sharded: every rank writes its part
+            elif trainer.is_global_zero:
+                tensors = {"model": checkpoint.pop("state_dict")}
+            else:
+                tensors = None  # replicated state: rank 0 writes it all
+            if tensors is not None:
+                snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint})
+                self._writer.submit(snapshot, step)
+        self.last_saved_step = step
+        self.saves += 1
+        self._last_save_time = time.monotonic()
+        self._pending_blocked[step] = time.perf_counter() - start
+
+    def _agree_busy(self, trainer: pl.Trainer) -> bool:
+        """Is a save in flight on any rank? Also raises every rank's writer error on every rank."""
+        assert self._writer is not None
+        local_error: CheckpointWriteError | None = None
+        try:
+            self._writer.raise_if_failed()
+        except CheckpointWriteError as e:
+            local_error = e
+        flags = [float(self._writer.busy), float(local_error is not None)]
+        if trainer.world_size > 1:
+            reduced = trainer.strategy.reduce(torch.tensor(flags, device=trainer.strategy.root_device), reduce_op="max")
+            flags = [float(v) for v in reduced.tolist()]
+        if local_error is not None:
+            raise local_error
+        if flags[1]:
+            raise CheckpointWriteError("The background checkpoint write failed on another rank; see its error.")
+        return bool(flags[0])
+
+    def _report(self, trainer: pl.Trainer, result: WriteResult | None) -> None:
+        if result is None:
+            return
+        blocked = self._pending_blocked.pop(result.step, float("nan"))
+        metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
+                   "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes)}
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({result.bytes / 2**20:.1f} MiB; "
+                       f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
+                       f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB)")
+
+    # ------------------------------------------------------------------ end of fit
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._writer is not None
+        if self.save_on_train_end and trainer.global_step != self.last_saved_step:
+            self._save(trainer, final=True)
+        with record_phase(Phase.CHECKPOINT_SAVE, trainer.global_step):
+            self._report(trainer, self._writer.wait())  # the job is not done before its last save is durable
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._crashed = True
+        if self._writer is not None:
+            try:
+                self._writer.wait()  # a save in flight still completes: it is the freshest state we have
+            except Exception as e:  # noqa: BLE001 - the training error is the one to raise; report this one
+                rank_zero_warn(f"AsyncCheckpoint: the save in flight failed too: {e!r}")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._writer is None:
+            return
+        writer, self._writer = self._writer, None
+        self._unpatch()
+        try:
+            if not self._crashed:
+                writer.wait()
+        finally:
+            writer.close()
+            self._stager.release()
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": str(self.dirpath), "last_saved_step": self.last_saved_step, "saves": self.saves, "skipped": self.skipped}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_saved_step = int(state_dict.get("last_saved_step", -1))
+        self.saves = int(state_dict.get("saves", 0))
+        self.skipped = int(state_dict.get("skipped", 0))
+
+
+_MISSING = object()
+
+
+def _accumulating(trainer: pl.Trainer) -> bool:
+    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+    return bool(should_accumulate()) if callable(should_accumulate) else False
+
+
+class _DirectoryAwareIO(CheckpointIO):
+    """The strategy's CheckpointIO, plus loading of AsyncCheckpoint directories (non-sharded strategies)."""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if fmt.is_dcp_checkpoint(path):
+            with record_phase(Phase.CHECKPOINT_LOAD):
+                return fmt.load_unsharded(path)
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+__all__ = ["AsyncCheckpoint", "CheckpointWriteError"]

@@ -1,0 +1,95 @@
+"""A single-process Lightning job with AsyncCheckpoint, for the checkpoint tests.
+
+Batches are generated from the global step, so a resumed run sees the same data as an
+uninterrupted one. At the end the job writes its weights and facts to OUT/result.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_ett import AsyncCheckpoint, ETTMonitor
+
+
+class Steps(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while True:
+            yield 0
+
+
+class Regression(LightningModule):
+    def __init__(self, width: int, step_sleep: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+        self.step_sleep = step_sleep
+
+    def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
+        time.sleep(self.step_sleep)
+        g = torch.Generator().manual_seed(self.global_step)
+        x = torch.randn(32, 16, generator=g)
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), x.sum(-1))
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class Faults(Callback):
+    """Kill the process with SIGKILL, or plant a file where the writer needs a directory."""
+
+    def __init__(self, kill_at: int | None, block_tmp_of: int | None, ckpt_dir: Path) -> None:
+        self.kill_at, self.block_tmp_of, self.ckpt_dir = kill_at, block_tmp_of, ckpt_dir
+
+    def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
+        if self.block_tmp_of is not None and trainer.global_step == 1:
+            (self.ckpt_dir / f"step-{self.block_tmp_of:09d}.tmp").write_text("not a directory")
+        if self.kill_at is not None and trainer.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--every-minutes", type=float, default=None, help="instead of --every")
+    p.add_argument("--devices", type=int, default=1, help="> 1: DDP on gloo (rank 0 writes the checkpoint)")
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--when-busy", default="wait")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL this process at this step")
+    p.add_argument("--block-tmp-of", type=int, default=None, help="make the save of this step fail (a file in the way)")
+    p.add_argument("--ckpt-path", default=None)
+    args = p.parse_args()
+
+    out, ckpt_dir = Path(args.out), Path(args.ckpt_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    interval = {"every_n_minutes": args.every_minutes} if args.every_minutes else {"every_n_train_steps": args.every}
+    checkpoint = AsyncCheckpoint(ckpt_dir, keep_last_n=args.keep, when_busy=args.when_busy, **interval)
+    callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False), checkpoint,
+                 Faults(args.kill_at, args.block_tmp_of, ckpt_dir)]
+    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+                      max_steps=args.max_steps, callbacks=callbacks,
+                      logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    torch.manual_seed(0)
+    model = Regression(args.width, args.step_sleep)
+    trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.ckpt_path)
+    if trainer.global_rank != 0:
+        return
+    torch.save({"weights": {k: v.clone() for k, v in model.state_dict().items()}, "global_step": trainer.global_step,
+                "resumed_from": trainer.ckpt_path, "saves": checkpoint.saves}, out / "result.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""AsyncCheckpoint on one process: durability, resume, retention, errors, bad input (real files)."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, clean_env, run_script
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_ett import AsyncCheckpoint
+from lightning_ett import checkpoint_format as fmt
+from lightning_ett.callbacks.staging import Stager
+from lightning_ett.ledger import read_ledger
+
+JOB = str(REPO / "tests" / "scripts" / "async_job.py")
+
+
+def run_job(tmp_path: Path, *args: str, out: str = "out", **env: str) -> subprocess.CompletedProcess[str]:
+    return run_script(JOB, "--out", str(tmp_path / out), "--ckpt-dir", str(tmp_path / "ckpt"), *args, timeout=240, **env)
+
+
+def result(tmp_path: Path, out: str = "out") -> dict:
+    return torch.load(tmp_path / out / "result.pt", weights_only=False)
+
+
+def steps_on_disk(root: Path) -> list[int]:
+    return [e.step for e in fmt.committed(root)]
+
+
+def test_resume_after_a_restart_equals_an_uninterrupted_run(tmp_path):
+    first = run_job(tmp_path, "--max-steps", "10", "--every", "4", out="a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert steps_on_disk(tmp_path / "ckpt") == [4, 8, 10]  # every 4 steps, plus the end of fit
+    assert (tmp_path / "ckpt" / fmt.LATEST_FILE).read_text().strip() == "step-000000010"
+    # Restart with a larger budget and no ckpt_path: it resumes from the newest complete checkpoint.
+    second = run_job(tmp_path, "--max-steps", "16", "--every", "4", out="b")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000010")
+    reference = run_script(JOB, "--out", str(tmp_path / "ref"), "--ckpt-dir", str(tmp_path / "ref_ckpt"), "--max-steps", "16")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    resumed, uninterrupted = result(tmp_path, "b"), result(tmp_path, "ref")
+    assert resumed["global_step"] == uninterrupted["global_step"] == 16
+    for name, value in uninterrupted["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], value, rtol=0, atol=0)
+    # ETT: the blocking part of each save is `checkpoint_save`, the load on resume `checkpoint_load`;
+    # the background write is logged to the loggers.
+    [ledger] = read_ledger(tmp_path / "b" / "ett")
+    phases = {e["phase"] for e in ledger.events}
+    assert {"checkpoint_save", "checkpoint_load"} <= phases
+    with open(tmp_path / "b" / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    writes = [float(r["checkpoint/write_s"]) for r in rows if r.get("checkpoint/write_s")]
+    assert writes and all(w > 0 for w in writes)
+    assert all(float(r["checkpoint/staging_bytes"]) > 0 for r in rows if r.get("checkpoint/staging_bytes"))
+
+
+def test_an_explicit_ckpt_path_wins_over_automatic_resume(tmp_path):
+    assert run_job(tmp_path, "--max-steps", "8", "--every", "4").returncode == 0
+    proc = run_job(tmp_path, "--max-steps", "10", "--ckpt-path", str(tmp_path / "ckpt" / "step-000000004"), out="b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000004")
+
+
+def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):
+    assert run_job(tmp_path, "--max-steps", "4", "--every", "4").returncode == 0
+    killed = run_job(tmp_path, "--max-steps", "20", "--every", "2", "--kill-at", "7", "--step-sleep", "0.3", out="b",
+                     LIGHTNING_ETT_FAULT_WRITE_DELAY_S="60")
+    assert killed.returncode == -9
+    partial = tmp_path / "ckpt" / "step-000000006.tmp"
+    assert partial.is_dir() and (partial / ".metadata").is_file()  # its data is on disk, uncommitted
+    assert fmt.newest_complete(tmp_path / "ckpt").name == "step-000000004"
+    resumed = run_job(tmp_path, "--max-steps", "8", "--every", "100", out="c")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert str(result(tmp_path, "c")["resumed_from"]).endswith("step-000000004")
+    assert not partial.exists()  # cleaned up at start
+
+
+def test_truncated_and_corrupted_checkpoints_are_skipped_with_a_warning_naming_them(tmp_path):
+    assert run_job(tmp_path, "--max-steps", "12", "--every", "4", "--keep", "5").returncode == 0
+    root = tmp_path / "ckpt"
+    assert steps_on_disk(root) == [4, 8, 12]
+    with open(root / "step-000000012" / "__0_0.distcp", "r+b") as f:  # same size, one byte flipped
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    data = (root / "step-000000008" / fmt.META_FILE).read_bytes()
+    (root / "step-000000008" / fmt.META_FILE).write_bytes(data[: len(data) // 2])  # truncated
+    proc = run_job(tmp_path, "--max-steps", "14", "--every", "100", out="b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-000000012': __0_0.distcp fails its CRC-32 check" in proc.stderr
+    assert "step-000000008': lightning.pt has" in proc.stderr and "truncated" in proc.stderr
+    assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000004")
+
+
+def test_a_failing_writer_raises_on_the_training_thread(tmp_path):
+    # A file where the writer needs the directory of step 4: a real OS error in the background thread.
+    proc = run_job(tmp_path, "--max-steps", "12", "--every", "4", "--block-tmp-of", "4")
+    assert proc.returncode != 0
+    assert "CheckpointWriteError: The background checkpoint write failed" in proc.stderr
+    assert "step-000000004.tmp" in proc.stderr
+    assert not (tmp_path / "out" / "result.pt").exists()  # fit did not return normally
+
+
+def test_keep_last_n_1_never_leaves_zero_complete_checkpoints(tmp_path):
+    # Saves every step, each held 0.2 s before its commit; a watcher lists the directory meanwhile.
+    proc = subprocess.Popen([sys.executable, JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"),
+                             "--max-steps", "30", "--every", "1", "--keep", "1", "--when-busy", "skip",
+                             "--step-sleep", "0.02"],
+                            env=clean_env(LIGHTNING_ETT_FAULT_WRITE_DELAY_S="0.2"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    seen_one, empty_after_first, polls = False, 0, 0
+    while proc.poll() is None:
+        n = len(fmt.committed(tmp_path / "ckpt"))
+        seen_one = seen_one or n > 0
+        empty_after_first += seen_one and n == 0
+        polls += 1
+        time.sleep(0.002)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    assert seen_one and polls > 100
+    assert empty_after_first == 0
+    assert steps_on_disk(tmp_path / "ckpt") == [30]
+    assert fmt.verify(tmp_path / "ckpt" / "step-000000030") is None
+
+
+def test_every_n_minutes_saves_on_rank_zeros_clock(tmp_path):
+    # 0.004 min = 0.24 s between saves; 30 steps of 0.05 s: about 6 saves, each step after the interval.
+    proc = run_job(tmp_path, "--max-steps", "30", "--every-minutes", "0.004", "--step-sleep", "0.05", "--keep", "50")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = steps_on_disk(tmp_path / "ckpt")
+    assert 4 <= len(steps) <= 9 and steps[-1] == 30, steps
+    gaps = [b - a for a, b in itertools.pairwise(steps[:-1])]  # the last one is the end-of-fit save
+    assert all(gap >= 4 for gap in gaps), steps  # >= 0.24 s apart at 0.05 s per step
+
+
+def test_ddp_rank_zero_writes_and_a_restart_resumes_on_every_rank(tmp_path):
+    first = run_job(tmp_path, "--devices", "2", "--max-steps", "8", "--every", "4", out="a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert steps_on_disk(tmp_path / "ckpt") == [4, 8]
+    second = run_job(tmp_path, "--devices", "2", "--max-steps", "12", "--every", "4", out="b")
+    assert second.returncode == 0, second.stderr[-3000:]
+    reference = run_script(JOB, "--out", str(tmp_path / "ref"), "--ckpt-dir", str(tmp_path / "ref_ckpt"),
+                           "--devices", "2", "--max-steps", "12")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000008")
+    for name, value in result(tmp_path, "ref")["weights"].items():
+        torch.testing.assert_close(result(tmp_path, "b")["weights"][name], value, rtol=0, atol=0)
+
+
+def test_staging_reuses_its_buffers_and_copies_every_tensor():
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    stager = Stager()
+    first = stager.stage({"model": model.state_dict(), "loops": {"step": 1}})
+    buffer = first.state["model"]["weight"]
+    assert buffer.data_ptr() != model.weight.data_ptr() and torch.equal(buffer, model.weight)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training mutates the live state; the snapshot keeps the old values
+    assert not torch.equal(buffer, model.weight)
+    second = stager.stage({"model": model.state_dict(), "loops": {"step": 2}})
+    assert second.state["model"]["weight"].data_ptr() == buffer.data_ptr()  # same buffer, refilled
+    assert torch.equal(second.state["model"]["weight"], model.weight) and second.state["loops"] == {"step": 2}
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()  # Adam creates its state lazily: the structure grows, the buffers are rebuilt
+    third = stager.stage({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    assert torch.equal(third.state["optim"]["state"][0]["exp_avg"], optimizer.state[model.weight]["exp_avg"])
+    assert stager.nbytes == sum(t.numel() * t.element_size() for t in [model.weight, model.bias]) * 3 + 2 * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "give `every_n_train_steps`"),
+        ({"every_n_train_steps": 5, "every_n_minutes": 1.0}, "the two intervals conflict"),
+        ({"every_n_train_steps": 0}, "every_n_train_steps=0"),
+        ({"every_n_minutes": -1}, "every_n_minutes=-1"),
+        ({"every_n_train_steps": 5, "keep_last_n": 0}, "keep_last_n=0"),
+        ({"every_n_train_steps": 5, "when_busy": "queue"}, "when_busy='queue'"),
+    ],
+)
+def test_bad_arguments_are_named(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        AsyncCheckpoint(tmp_path, **kwargs)
+
+
+def test_an_unwritable_dirpath_fails_before_the_first_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    steps: list[int] = []
+
+    class Model(BoringModel):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            steps.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(max_steps=3, callbacks=[AsyncCheckpoint(blocker / "ckpts", every_n_train_steps=1)], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with pytest.raises(PermissionError, match=r"AsyncCheckpoint\(dirpath=.*a_file/ckpts'\) is not writable"):
+        trainer.fit(Model())
+    assert steps == []
