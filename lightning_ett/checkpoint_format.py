@@ -37,6 +37,7 @@ META_FILE = "lightning.pt"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 TMP_SUFFIX = ".tmp"
+REPLACED_SUFFIX = ".replaced"
 FORMAT = "ett-dcp-v1"
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -45,21 +46,29 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def crc32_of(path: Path) -> int:
-    """CRC-32 of a file (one C call over a memory map), then drop the file from the page cache.
+def crc32_of(path: Path, drop_cache: bool = False) -> int:
+    """CRC-32 of a file, in one C call over a memory map where the filesystem allows it.
 
     One call releases the GIL once for the whole file instead of handing it back and forth
-    with the training thread per chunk. The checksum is the last read of a freshly written
-    checkpoint, so its pages are dropped (``POSIX_FADV_DONTNEED``; they are clean, fsynced):
-    cached checkpoint pages slowed later writes and would evict the training data's pages.
+    with the training thread per chunk. ``drop_cache``: the checksum is the last read of a
+    freshly written (fsynced, clean) checkpoint, so its pages leave the page cache: cached
+    checkpoint pages slowed every later write here and would evict the training data's.
     """
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return 0
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            crc = zlib.crc32(view)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(f.fileno()).st_size
+        crc = 0
+        if size:
+            try:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                    crc = zlib.crc32(view)
+            except (OSError, ValueError):  # e.g. a FUSE filesystem without mmap
+                while block := f.read(64 << 20):
+                    crc = zlib.crc32(block, crc)
+        if drop_cache and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass  # only an optimization
         return crc
 
 
@@ -87,7 +96,7 @@ def write_manifest(directory: Path, step: int, extra: dict[str, Any] | None = No
     """Checksum every file in ``directory`` (already fsynced) and write the manifest, durably."""
     files = {}
     for f in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE):
-        files[f.name] = {"bytes": f.stat().st_size, "crc32": crc32_of(f)}
+        files[f.name] = {"bytes": f.stat().st_size, "crc32": crc32_of(f, drop_cache=True)}
     manifest = {"format": FORMAT, "global_step": step, "files": files, **(extra or {})}
     atomic_write_text(directory / MANIFEST_FILE, json.dumps(manifest, indent=1))
     return manifest
@@ -98,7 +107,8 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+    valid = isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(manifest.get("files"), dict)
+    return manifest if valid else None
 
 
 def verify(directory: Path, checksums: bool = True) -> str | None:
@@ -106,14 +116,17 @@ def verify(directory: Path, checksums: bool = True) -> str | None:
     manifest = read_manifest(directory)
     if manifest is None:
         return f"no valid {MANIFEST_FILE} (never completed)"
-    for name, expected in manifest["files"].items():
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != expected["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']} (truncated?)"
-        if checksums and crc32_of(path) != expected["crc32"]:
-            return f"{name} fails its CRC-32 check (corrupted)"
+    try:
+        for name, expected in manifest["files"].items():
+            path = directory / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != expected["bytes"]:
+                return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']} (truncated?)"
+            if checksums and crc32_of(path) != expected["crc32"]:
+                return f"{name} fails its CRC-32 check (corrupted)"
+    except (OSError, KeyError, TypeError) as e:
+        return f"cannot be checked ({e!r})"
     return None
 
 
@@ -121,18 +134,21 @@ def verify(directory: Path, checksums: bool = True) -> str | None:
 class CheckpointEntry:
     path: Path
     step: int
+    seq: int  # commit number: later commits are newer, whatever their step
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
-    """Renamed (committed) checkpoint directories under ``root``, oldest first, unverified."""
+    """Renamed (committed) checkpoint directories under ``root``, oldest commit first, unverified."""
     if not root.is_dir():
         return []
     entries = []
     for d in root.iterdir():
         m = _NAME.match(d.name)
         if m and d.is_dir() and (d / MANIFEST_FILE).is_file():
-            entries.append(CheckpointEntry(d, int(m.group(1))))
-    return sorted(entries, key=lambda e: e.step)
+            manifest = read_manifest(d) or {}
+            seq = manifest.get("seq")
+            entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0))
+    return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
 def newest_complete(root: Path, checksums: bool = True) -> Path | None:

@@ -55,6 +55,8 @@ def test_resume_after_a_restart_equals_an_uninterrupted_run(tmp_path):
     [ledger] = read_ledger(tmp_path / "b" / "ett")
     phases = {e["phase"] for e in ledger.events}
     assert {"checkpoint_save", "checkpoint_load"} <= phases
+    [fresh] = read_ledger(tmp_path / "a" / "ett")
+    assert "checkpoint_load" not in {e["phase"] for e in fresh.events}  # nothing to resume: nothing loaded
     with open(tmp_path / "b" / "csv" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     writes = [float(r["checkpoint/write_s"]) for r in rows if r.get("checkpoint/write_s")]
@@ -129,6 +131,39 @@ def test_keep_last_n_1_never_leaves_zero_complete_checkpoints(tmp_path):
     assert empty_after_first == 0
     assert steps_on_disk(tmp_path / "ckpt") == [30]
     assert fmt.verify(tmp_path / "ckpt" / "step-000000030") is None
+
+
+def test_a_rollback_to_an_older_checkpoint_becomes_the_newest_line(tmp_path):
+    assert run_job(tmp_path, "--max-steps", "12", "--every", "4", "--keep", "3").returncode == 0  # 4, 8, 12
+    # Roll back to step 4 explicitly and train on: 6 and 8 are committed after 12, so they are newer.
+    proc = run_job(tmp_path, "--max-steps", "8", "--every", "2", "--keep", "3", "--ckpt-path",
+                   str(tmp_path / "ckpt" / "step-000000004"), out="b")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e.step for e in fmt.committed(tmp_path / "ckpt")] == [12, 6, 8]  # commit order; 4 and the old 8 replaced/retired
+    assert fmt.newest_complete(tmp_path / "ckpt").name == "step-000000008"
+    assert (tmp_path / "ckpt" / fmt.LATEST_FILE).read_text().strip() == "step-000000008"
+    assert not list((tmp_path / "ckpt").glob("*" + fmt.REPLACED_SUFFIX))
+    restarted = run_job(tmp_path, "--max-steps", "9", "--every", "100", out="c")
+    assert str(result(tmp_path, "c")["resumed_from"]).endswith("step-000000008")  # not the abandoned 12
+    assert result(tmp_path, "c")["global_step"] == 9 and restarted.returncode == 0
+
+
+def test_sigterm_saves_the_step_where_training_stopped(tmp_path):
+    proc = run_job(tmp_path, "--max-steps", "100", "--every", "4", "--sigterm-at", "6", "--step-sleep", "0.01")
+    assert "max_steps=100` reached" not in proc.stderr, proc.stderr[-2000:]  # stopped by the signal
+    steps = steps_on_disk(tmp_path / "ckpt")
+    assert steps[0] == 4 and len(steps) == 2 and 6 <= steps[1] <= 8, steps
+    assert fmt.verify(tmp_path / "ckpt" / fmt.checkpoint_name(steps[1])) is None
+
+
+def test_a_writer_failure_on_rank_zero_stops_every_ddp_rank(tmp_path):
+    # Rank 0 writes the checkpoint; its write of step 4 fails. Both ranks must stop, none may hang.
+    proc = run_job(tmp_path, "--devices", "2", "--max-steps", "40", "--every", "4", "--block-tmp-of", "4",
+                   "--step-sleep", "0.01")
+    assert proc.returncode != 0
+    assert "[rank0]: lightning_ett.callbacks.writer.CheckpointWriteError: The background checkpoint write failed" in proc.stderr
+    assert "[rank1]: lightning_ett.callbacks.writer.CheckpointWriteError: The background checkpoint write failed on " \
+           "another rank" in proc.stderr
 
 
 def test_every_n_minutes_saves_on_rank_zeros_clock(tmp_path):

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett import checkpoint_format as fmt
 from lightning_ett.callbacks.staging import Stager
 from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWriter, WriteResult
-from lightning_ett.timeline import Phase, record_phase
+from lightning_ett.timeline import Phase, get_timeline, record_phase
 
 WhenBusy = Literal["skip", "wait"]
 _TIME_CHECK_EVERY = 16  # multi-rank `every_n_minutes`: rank 0's clock is consulted every this many steps
@@ -112,7 +113,7 @@ class AsyncCheckpoint(Checkpoint):
         self._writer: CheckpointWriter | None = None
         self._last_save_time = time.monotonic()
         self._steps_seen = 0
-        self._resume_path: str | None = None
+        self._best_model_path = ""
         self._patched: list[tuple[Any, str, Any]] = []
         self._pending_blocked: dict[int, float] = {}
         self._crashed = False
@@ -125,58 +126,78 @@ class AsyncCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ set-up and resume
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        collective = callable(getattr(trainer.strategy, "dcp_checkpoint_tensors", None))
+        if not collective and not isinstance(trainer.strategy.checkpoint_io, _DirectoryAwareIO):
+            # Kept after fit too: validate/test(ckpt_path=<one of ours>) must load it as well.
+            trainer.strategy.checkpoint_io = _DirectoryAwareIO(trainer.strategy.checkpoint_io)
         if stage != "fit":
             return
         self.dirpath = self.dirpath.absolute()
-        self._check_writable(trainer.global_rank)
+        self._agree_or_raise(trainer, self._check_writable(trainer.global_rank), "could not write to its dirpath")
         if trainer.is_global_zero:
-            for stale in self.dirpath.glob("step-*" + fmt.TMP_SUFFIX):
+            for stale in [*self.dirpath.glob("step-*" + fmt.TMP_SUFFIX), *self.dirpath.glob("step-*" + fmt.REPLACED_SUFFIX)]:
                 fmt.remove(stale)  # from a crashed attempt; never selected, now deleted
-        collective = callable(getattr(trainer.strategy, "dcp_checkpoint_tensors", None))
         group = None
         if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = dist.new_group(backend="gloo")  # the writer's collectives never meet training's
         self._group = group
-        self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n)
+        self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
+                                        device=trainer.strategy.root_device)
         self._crashed = False
         self._last_save_time = time.monotonic()
-        if not collective:
-            self._patch(trainer.strategy, "checkpoint_io", _DirectoryAwareIO(trainer.strategy.checkpoint_io))
+        self._best_model_path = ""
         if self.resume:
-            self._select_resume_checkpoint(trainer)
+            self._patch_resume(trainer)
         trainer.strategy.barrier("AsyncCheckpoint.setup")  # stale .tmp directories are gone everywhere
 
-    def _check_writable(self, rank: int) -> None:
+    def _check_writable(self, rank: int) -> BaseException | None:
         probe = self.dirpath / f".write-probe-{rank}-{uuid.uuid4().hex[:8]}"
         try:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise PermissionError(
+            return PermissionError(
                 f"AsyncCheckpoint(dirpath={str(self.dirpath)!r}) is not writable ({e.strerror or e}); "
                 "pass a directory this job can create files in."
-            ) from e
+            )
+        return None
 
-    def _select_resume_checkpoint(self, trainer: pl.Trainer) -> None:
-        path = None
-        if trainer.is_global_zero:
-            with record_phase(Phase.CHECKPOINT_LOAD):
-                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums)
-            path = str(found) if found is not None else None
-        self._resume_path = trainer.strategy.broadcast(path, src=0)
-        if self._resume_path is None:
-            return
+    def _patch_resume(self, trainer: pl.Trainer) -> None:
+        """Resume from the newest complete checkpoint when ``fit`` was given no ``ckpt_path``.
+
+        Lightning passes ``ckpt_path`` to ``resume_start`` (on every rank, at the same point);
+        the choice is made there, so an explicit path costs no verification. Only a fresh
+        start (global step 0) resumes: a second ``fit`` on the same Trainer continues as is.
+        """
         connector = trainer._checkpoint_connector
         original = connector.resume_start
 
         def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            if not checkpoint_path and trainer.state.fn == "fit":
-                rank_zero_info(f"AsyncCheckpoint: resuming from the newest complete checkpoint {self._resume_path}")
-                checkpoint_path = self._resume_path
+            if not checkpoint_path and trainer.state.fn == "fit" and trainer.global_step == 0:
+                checkpoint_path = self._select_resume_checkpoint(trainer)
             original(checkpoint_path, weights_only=weights_only)
 
         self._patch(connector, "resume_start", resume_start)
+
+    def _select_resume_checkpoint(self, trainer: pl.Trainer) -> str | None:
+        """Rank 0 verifies, every rank gets its answer (or its error)."""
+        answer: tuple[str | None, str | None] = (None, None)
+        if trainer.is_global_zero:
+            start = time.time()
+            try:
+                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums)
+                answer = (str(found) if found is not None else None, None)
+                if found is not None:
+                    get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                answer = (None, repr(e))
+        path, error = trainer.strategy.broadcast(answer, src=0)
+        if error is not None:
+            raise RuntimeError(f"AsyncCheckpoint: looking for a checkpoint to resume from in {str(self.dirpath)!r} failed: {error}")
+        if path is not None:
+            rank_zero_info(f"AsyncCheckpoint: resuming from the newest complete checkpoint {path}")
+        return path
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         """Set ``obj.name`` for this fit; :meth:`_unpatch` puts back what was there (attribute or property)."""
@@ -196,6 +217,11 @@ class AsyncCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step > 0:  # resumed: the restored step is saved already
             self.last_saved_step = max(self.last_saved_step, trainer.global_step)
+
+    @property
+    def best_model_path(self) -> str:
+        """The newest checkpoint this callback made durable (saves are not ranked by a metric)."""
+        return self._best_model_path
 
     # ------------------------------------------------------------------ saving
     @override
@@ -223,27 +249,31 @@ class AsyncCheckpoint(Checkpoint):
         return bool(trainer.strategy.broadcast(elapsed, src=0))  # every rank saves at the same step
 
     def _save(self, trainer: pl.Trainer, final: bool = False) -> None:
+        """Snapshot and hand to the writer. Every decision here is the same on every rank."""
         assert self._writer is not None
         step = trainer.global_step
         start = time.perf_counter()
         with record_phase(Phase.CHECKPOINT_SAVE, step):
-            busy = self._agree_busy(trainer)
+            busy, error = self._writer.status()
+            busy, failed = self._agree(trainer, busy, error is not None)
+            if failed:
+                self._writer.wait()  # raises this rank's error, if it has one
+                raise CheckpointWriteError("The background checkpoint write failed on another rank; see its error.")
             if busy and not final and self.when_busy == "skip":
                 self.skipped += 1
                 rank_zero_warn(f"AsyncCheckpoint: skipping the save of step {step}: the previous save is still being "
                                "written (when_busy='skip'). Save less often or pass when_busy='wait'.")
                 return
             if busy:
-                self._report(trainer, self._writer.wait())
+                self._wait_agreed(trainer)
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             split = getattr(trainer.strategy, "dcp_checkpoint_tensors", None)
             if callable(split):
                 tensors = split(checkpoint)  # sharded: every rank writes its part
-            elif trainer.is_global_zero:
-                tensors = {"model": checkpoint.pop("state_dict")}
             else:
-                tensors = None  # replicated state: rank 0 writes it all
-            if tensors is not None:
+                _require_full_copy(trainer, checkpoint.get("state_dict", {}))
+                tensors = {"model": checkpoint.pop("state_dict")} if trainer.is_global_zero else None
+            if tensors is not None:  # (replicated state: rank 0 writes it all)
                 snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint})
                 self._writer.submit(snapshot, step)
         self.last_saved_step = step
@@ -251,27 +281,35 @@ class AsyncCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         self._pending_blocked[step] = time.perf_counter() - start
 
-    def _agree_busy(self, trainer: pl.Trainer) -> bool:
-        """Is a save in flight on any rank? Also raises every rank's writer error on every rank."""
+    def _agree(self, trainer: pl.Trainer, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over all ranks: one small all-reduce, only when a save is due."""
+        if trainer.world_size == 1:
+            return list(flags)
+        values = torch.tensor([float(f) for f in flags], device=trainer.strategy.root_device)
+        return [bool(v) for v in trainer.strategy.reduce(values, reduce_op="max").tolist()]
+
+    def _agree_or_raise(self, trainer: pl.Trainer, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank has an error (a lone raise would leave the others in a collective)."""
+        (failed,) = self._agree(trainer, error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"AsyncCheckpoint: another rank {what}; see its error.")
+
+    def _wait_agreed(self, trainer: pl.Trainer) -> None:
+        """Wait for the save in flight; if it failed on any rank, raise on every rank."""
         assert self._writer is not None
-        local_error: CheckpointWriteError | None = None
+        error: CheckpointWriteError | None = None
         try:
-            self._writer.raise_if_failed()
+            self._report(trainer, self._writer.wait())
         except CheckpointWriteError as e:
-            local_error = e
-        flags = [float(self._writer.busy), float(local_error is not None)]
-        if trainer.world_size > 1:
-            reduced = trainer.strategy.reduce(torch.tensor(flags, device=trainer.strategy.root_device), reduce_op="max")
-            flags = [float(v) for v in reduced.tolist()]
-        if local_error is not None:
-            raise local_error
-        if flags[1]:
-            raise CheckpointWriteError("The background checkpoint write failed on another rank; see its error.")
-        return bool(flags[0])
+            error = e
+        self._agree_or_raise(trainer, error, "failed to write its part of the checkpoint")
 
     def _report(self, trainer: pl.Trainer, result: WriteResult | None) -> None:
         if result is None:
             return
+        self._best_model_path = str(result.path)
         blocked = self._pending_blocked.pop(result.step, float("nan"))
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes)}
@@ -282,39 +320,44 @@ class AsyncCheckpoint(Checkpoint):
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
                        f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB)")
 
-    # ------------------------------------------------------------------ end of fit
+    # ------------------------------------------------------------------ end of fit, failures
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._writer is not None
         if self.save_on_train_end and trainer.global_step != self.last_saved_step:
             self._save(trainer, final=True)
         with record_phase(Phase.CHECKPOINT_SAVE, trainer.global_step):
-            self._report(trainer, self._writer.wait())  # the job is not done before its last save is durable
+            self._wait_agreed(trainer)  # the job is not done before its last save is durable
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Keep what can be kept; never hide the training error. (Lightning calls no ``teardown`` after one.)"""
         self._crashed = True
         if self._writer is not None:
             try:
-                self._writer.wait()  # a save in flight still completes: it is the freshest state we have
+                if isinstance(exception, SIGTERMException) and self.save_on_train_end \
+                        and trainer.global_step != self.last_saved_step:
+                    # Preemption: every rank stops after the same batch, so a last save is possible.
+                    self._save(trainer, final=True)
+                    self._wait_agreed(trainer)
+                else:
+                    self._writer.wait(timeout=_EXCEPTION_WAIT_S)  # a save in flight may still complete
             except Exception as e:  # noqa: BLE001 - the training error is the one to raise; report this one
-                rank_zero_warn(f"AsyncCheckpoint: the save in flight failed too: {e!r}")
+                rank_zero_warn(f"AsyncCheckpoint: the checkpoint in flight when training failed was not saved: {e!r}")
+        self._cleanup()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._writer is None:
-            return
-        writer, self._writer = self._writer, None
+        if stage == "fit":
+            self._cleanup()
+
+    def _cleanup(self) -> None:
         self._unpatch()
-        try:
-            if not self._crashed:
-                writer.wait()
-        finally:
-            writer.close()
-            self._stager.release()
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
-                self._group = None
+        self._writer = None
+        self._stager.release()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
 
     # ------------------------------------------------------------------ state
     @override
@@ -326,6 +369,22 @@ class AsyncCheckpoint(Checkpoint):
         self.last_saved_step = int(state_dict.get("last_saved_step", -1))
         self.saves = int(state_dict.get("saves", 0))
         self.skipped = int(state_dict.get("skipped", 0))
+
+
+_EXCEPTION_WAIT_S = 120.0  # after a crash, a save in flight gets this long to finish (a dead peer may block it)
+
+
+def _require_full_copy(trainer: pl.Trainer, state_dict: dict[str, Any]) -> None:
+    """Rank 0 writes alone only if it holds the whole model; sharded state needs a collective writer."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(v, (ShardedTensor, DTensor)) for v in state_dict.values()):
+        raise TypeError(
+            f"AsyncCheckpoint: {type(trainer.strategy).__name__} shards the model's state, and AsyncCheckpoint writes "
+            "sharded state only with ETTStrategy (or a strategy with `dcp_checkpoint_tensors`). Use ETTStrategy, or a "
+            "strategy that keeps a full copy of the model on every rank (single device, DDP)."
+        )
 
 
 _MISSING = object()

@@ -116,7 +116,7 @@ class Stager:
             self._allocate(state, signature, cuda)
         try:
             staged = _copy_state_dict(state, self._buffers, non_blocking=cuda, type_check=False)
-        except CompanionMismatch:  # same tensors, other keys: rebuild to match
+        except (CompanionMismatch, AttributeError, TypeError):  # same tensors, other structure: rebuild to match
             self._allocate(state, signature, cuda)
             staged = _copy_state_dict(state, self._buffers, non_blocking=cuda, type_check=False)
         event = None
@@ -127,7 +127,10 @@ class Stager:
 
     def _allocate(self, state: dict[str, Any], signature: list[tuple[Any, ...]], pin_memory: bool) -> None:
         self._buffers = None  # free the old buffers before allocating new ones
-        self._buffers = _create_cpu_state_dict(state, pin_memory=pin_memory)
+        # On CUDA: shared + pinned gives exact-size page-locked buffers (cudaHostRegister); pinned
+        # alone would go through the caching host allocator, which rounds sizes up and keeps freed
+        # blocks, so the reported size would be wrong and release() would free nothing.
+        self._buffers = _create_cpu_state_dict(state, pin_memory=pin_memory, share_memory=pin_memory)
         self._signature = signature
         self.nbytes = state_nbytes(self._buffers)
 

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,37 +85,61 @@ def _skip_zip_crc_in_writer_threads() -> None:
     serialization.get_crc32_options = get_crc32_options
 
 
-def _mark_writer_thread() -> None:
-    _writer_thread.active = True
-
-
 def _write_delay() -> float:
     """Fault injection for tests: ``LIGHTNING_ETT_FAULT_WRITE_DELAY_S`` holds every save between its data and its commit."""
     return float(os.environ.get("LIGHTNING_ETT_FAULT_WRITE_DELAY_S", "0") or 0)
 
 
 class CheckpointWriter:
-    def __init__(self, root: Path, rank: int, collective: bool, group: Any | None, keep_last_n: int | None) -> None:
+    """At most one save in flight, each in its own daemon thread.
+
+    Daemon threads, not a ThreadPoolExecutor: the interpreter joins executor threads at exit,
+    so a write stuck in a collective with a dead peer would hang a crashed job for the whole
+    process-group timeout. A write killed at exit leaves only a ``.tmp`` directory, which is
+    never selected. Errors stay in the save's Future until the callback collects them.
+    """
+
+    def __init__(self, root: Path, rank: int, collective: bool, group: Any | None, keep_last_n: int | None,
+                 device: torch.device | None = None) -> None:
         self.root = root
         self.rank = rank
         self.collective = collective  # every rank writes its shards (ETTStrategy); else rank 0 writes all
         self.group = group
         self.keep_last_n = keep_last_n
+        self.device = device
         _skip_zip_crc_in_writer_threads()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-checkpoint-writer",
-                                            initializer=_mark_writer_thread)
         self._future: Future[WriteResult | None] | None = None
         self._reported: Future[WriteResult | None] | None = None
 
+    def status(self) -> tuple[bool, BaseException | None]:
+        """(a save is in flight, the error of the last save if it failed) — from one look at it."""
+        future = self._future
+        if future is None:
+            return False, None
+        if not future.done():
+            return True, None
+        return False, future.exception()
+
     @property
     def busy(self) -> bool:
-        return self._future is not None and not self._future.done()
+        return self.status()[0]
 
     def submit(self, snapshot: Snapshot, step: int) -> None:
-        if self.busy:
-            raise RuntimeError("CheckpointWriter.submit: a save is still in flight (at most one at a time).")
-        self.raise_if_failed()
-        self._future = self._executor.submit(self._write, snapshot, step)
+        """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight)."""
+        assert not self.busy, "at most one save in flight"
+        future: Future[WriteResult | None] = Future()
+
+        def run() -> None:
+            _writer_thread.active = True
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, not this rank's GPU
+            try:
+                future.set_result(self._write(snapshot, step))
+            except BaseException as e:  # noqa: BLE001 - delivered to the training thread through the Future
+                future.set_exception(e)
+
+        self._future = future
+        threading.Thread(target=run, name=f"ett-checkpoint-writer-{step}", daemon=True).start()
 
     def poll(self) -> WriteResult | None:
         """The result of a save that finished since the last poll (once), without blocking."""
@@ -125,33 +149,22 @@ class CheckpointWriter:
         self._reported = future
         return None if future.exception() is not None else future.result()
 
-    def raise_if_failed(self) -> None:
-        future = self._future
-        if future is not None and future.done() and future.exception() is not None:
-            self._future = None
-            error = future.exception()
-            raise CheckpointWriteError(f"The background checkpoint write failed: {error!r}") from error
-
-    def wait(self) -> WriteResult | None:
-        """Block until the save in flight (if any) is committed; re-raise its error.
+    def wait(self, timeout: float | None = None) -> WriteResult | None:
+        """Block until the save in flight (if any) is committed; raise :class:`CheckpointWriteError` if it failed.
 
         Returns its result unless :meth:`poll` or an earlier ``wait`` already did.
         """
         future = self._future
         if future is None:
             return None
-        try:
-            result = future.result()
-        except BaseException:
-            self.raise_if_failed()
-            raise
+        error = future.exception(timeout=timeout)
+        if error is not None:
+            self._future = None  # raised once
+            raise CheckpointWriteError(f"The background checkpoint write failed: {error!r}") from error
         if future is self._reported:
             return None
         self._reported = future
-        return result
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        return future.result()
 
     # ------------------------------------------------------------------ worker thread
     def _write(self, snapshot: Snapshot, step: int) -> WriteResult | None:
@@ -160,8 +173,10 @@ class CheckpointWriter:
         name = fmt.checkpoint_name(step)
         tmp = self.root / (name + fmt.TMP_SUFFIX)
         error: str | None = None
-        dcp.save(snapshot.state["dcp"], storage_writer=FileSystemWriter(tmp, sync_files=True),
-                 process_group=self.group, no_dist=not self.collective)
+        # per_thread_copy_ahead=0: the tensors are already on the CPU; DCP's overlapping loader
+        # would touch CUDA streams from this thread for nothing.
+        writer = FileSystemWriter(tmp, sync_files=True, per_thread_copy_ahead=0)
+        dcp.save(snapshot.state["dcp"], storage_writer=writer, process_group=self.group, no_dist=not self.collective)
         if delay := _write_delay():
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
@@ -188,20 +203,27 @@ class CheckpointWriter:
         with open(part, "rb") as f:
             os.fsync(f.fileno())
         os.replace(part, tmp / fmt.META_FILE)
-        fmt.write_manifest(tmp, step, {"time": time.time()})
+        # The commit number orders checkpoints by when they were made, not by step: after a
+        # roll-back (fit from an older checkpoint) the new line of checkpoints is the newest.
+        seq = max((e.seq for e in fmt.committed(self.root)), default=0) + 1
+        fmt.write_manifest(tmp, step, {"time": time.time(), "seq": seq})
         fmt.fsync_path(tmp)
-        if final.exists():  # a stale or damaged copy of the same step from an earlier attempt
-            fmt.remove(final)
+        aside = final.with_name(final.name + fmt.REPLACED_SUFFIX)
+        if final.exists():  # the same step from an abandoned line: moved aside, deleted once replaced
+            fmt.remove(aside)
+            os.replace(final, aside)
         os.replace(tmp, final)
         fmt.fsync_path(self.root)
+        fmt.remove(aside)
         fmt.atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention(final)
 
     def _apply_retention(self, newest: Path) -> None:
+        """Keep the ``keep_last_n`` most recently committed; never the one just committed."""
         if self.keep_last_n is None:
             return
-        entries = fmt.committed(self.root)
+        entries = fmt.committed(self.root)  # oldest commit first
         keep = {e.path for e in entries[-self.keep_last_n :]} | {newest}
         for entry in entries:
-            if entry.path not in keep and entry.step < int(newest.name.split("-")[1]):
+            if entry.path not in keep:
                 fmt.remove(entry.path)

@@ -45,14 +45,16 @@ class Regression(LightningModule):
 class Faults(Callback):
     """Kill the process with SIGKILL, or plant a file where the writer needs a directory."""
 
-    def __init__(self, kill_at: int | None, block_tmp_of: int | None, ckpt_dir: Path) -> None:
-        self.kill_at, self.block_tmp_of, self.ckpt_dir = kill_at, block_tmp_of, ckpt_dir
+    def __init__(self, kill_at: int | None, block_tmp_of: int | None, ckpt_dir: Path, sigterm_at: int | None = None) -> None:
+        self.kill_at, self.block_tmp_of, self.ckpt_dir, self.sigterm_at = kill_at, block_tmp_of, ckpt_dir, sigterm_at
 
     def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
         if self.block_tmp_of is not None and trainer.global_step == 1:
             (self.ckpt_dir / f"step-{self.block_tmp_of:09d}.tmp").write_text("not a directory")
         if self.kill_at is not None and trainer.global_step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.sigterm_at is not None and trainer.global_step == self.sigterm_at and trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
 
 
 def main() -> None:
@@ -70,6 +72,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL this process at this step")
     p.add_argument("--block-tmp-of", type=int, default=None, help="make the save of this step fail (a file in the way)")
     p.add_argument("--ckpt-path", default=None)
+    p.add_argument("--sigterm-at", type=int, default=None, help="send SIGTERM to rank 0 at this step")
     args = p.parse_args()
 
     out, ckpt_dir = Path(args.out), Path(args.ckpt_dir)
@@ -77,7 +80,7 @@ def main() -> None:
     interval = {"every_n_minutes": args.every_minutes} if args.every_minutes else {"every_n_train_steps": args.every}
     checkpoint = AsyncCheckpoint(ckpt_dir, keep_last_n=args.keep, when_busy=args.when_busy, **interval)
     callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False), checkpoint,
-                 Faults(args.kill_at, args.block_tmp_of, ckpt_dir)]
+                 Faults(args.kill_at, args.block_tmp_of, ckpt_dir, args.sigterm_at)]
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
                       max_steps=args.max_steps, callbacks=callbacks,
                       logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, enable_progress_bar=False,
