@@ -2,7 +2,8 @@
 
 The model is a GIB-GiB embedding table (sparse SGD updates a few rows per step, as a
 recommendation model's tables are updated) feeding a dense MLP whose step takes tens of ms.
-Two saves: the first warms up whatever each method reuses, the second is measured:
+One warm-up save (whatever a method reuses is then warm), then ``--saves`` measured saves;
+the medians are reported:
 
 * blocked: seconds the training thread spent in the save (for DCP with a background-staging
   stager, plus the wait for staging to finish before the next step may mutate the state);
@@ -108,16 +109,20 @@ class Saver:
 
 
 class Driver(Callback):
-    """warm-up -> save 1 -> drain -> baseline steps -> save 2 (measured) -> drain -> stop."""
+    """warm-up -> save 0 (not measured) -> drain -> K x [baseline steps -> measured save -> drain] -> stop.
 
-    def __init__(self, saver: Saver, baseline_steps: int = 20) -> None:
-        self.saver, self.baseline_steps = saver, baseline_steps
+    Several measured saves in one process: the steady state of a job that checkpoints
+    periodically (buffers warm, earlier checkpoints on disk), and a median against noise.
+    """
+
+    def __init__(self, saver: Saver, measured_saves: int, baseline_steps: int = 20) -> None:
+        self.saver, self.measured_saves, self.baseline_steps = saver, measured_saves, baseline_steps
         self.stage, self.count, self.step_start = "warmup", 0, 0.0
         self.baseline: list[float] = []
         self.during: list[float] = []
         self.blocked = 0.0
         self.write_started = 0.0
-        self.write_s = 0.0
+        self.results: list[dict[str, float]] = []
         self.staging_bytes: int | None = None
 
     def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
@@ -132,29 +137,36 @@ class Driver(Callback):
         self.count += 1
         if self.stage == "warmup" and self.count >= 5:
             self.saver.start(trainer)
-            self.stage, self.count = "drain1", 0
-        elif self.stage == "drain1":
+            self.stage, self.count = "drain", 0
+        elif self.stage == "drain":
             self.saver.ready()
             if self.saver.done() and self.count >= 3:
                 self.saver.finish()
-                self.stage, self.count = "baseline", 0
+                if len(self.results) == self.measured_saves:
+                    trainer.should_stop = True
+                    self.stage = "stopped"
+                else:
+                    self.stage, self.count, self.baseline = "baseline", 0, []
         elif self.stage == "baseline":
             self.baseline.append(step_s)
             if self.count >= self.baseline_steps:
-                t = time.perf_counter()
                 if self.saver.async_checkpoint is not None:
                     self.staging_bytes = self.saver.async_checkpoint._stager.nbytes
+                t = time.perf_counter()
                 self.saver.start(trainer)
                 self.blocked = time.perf_counter() - t
                 self.write_started = t
-                self.stage, self.count = "measure", 0
+                self.stage, self.count, self.during = "measure", 0, []
         elif self.stage == "measure":
             self.during.append(step_s)
             if self.saver.done():
-                self.write_s = time.perf_counter() - self.write_started
+                write_s = time.perf_counter() - self.write_started
                 self.saver.finish()
-                trainer.should_stop = True
-                self.stage = "stopped"
+                step = statistics.median(self.baseline)
+                slowdown = sum(self.during) - step * len(self.during)  # unclipped: noise cancels rather than adds up
+                self.results.append({"blocked_s": self.blocked, "slowdown_s": slowdown, "cost_s": self.blocked + slowdown,
+                                     "write_s": write_s, "steps_during_write": len(self.during), "step_s": step})
+                self.stage, self.count = "drain", 0
 
 
 def main() -> None:
@@ -163,11 +175,12 @@ def main() -> None:
     p.add_argument("--gib", type=float, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--saves", type=int, default=3, help="measured saves (after one warm-up save)")
     args = p.parse_args()
     root = Path(args.dir)
     torch.manual_seed(0)
     saver = Saver(args.method, root)
-    driver = Driver(saver)
+    driver = Driver(saver, args.saves)
     callbacks: list[Callback] = [driver] + ([saver.async_checkpoint] if saver.async_checkpoint is not None else [])
     plugins = []
     if args.method == "lightning_async":
@@ -178,13 +191,9 @@ def main() -> None:
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=args.method == "ours",
                       limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(BigState(args.gib), DataLoader(Steps(), batch_size=None))
-    step = statistics.median(driver.baseline)
-    extra = sum(driver.during) - step * len(driver.during)  # unclipped: noise cancels rather than adds up
-    staging = driver.staging_bytes
-    Path(args.out).write_text(json.dumps({
-        "method": args.method, "gib": args.gib, "blocked_s": driver.blocked, "slowdown_s": extra,
-        "cost_s": driver.blocked + extra, "write_s": driver.write_s, "steps_during_write": len(driver.during),
-        "step_s": step, "staging_bytes": staging}))
+    medians = {k: statistics.median(r[k] for r in driver.results) for k in driver.results[0]}
+    Path(args.out).write_text(json.dumps({"method": args.method, "gib": args.gib, **medians, "saves": driver.results,
+                                          "staging_bytes": driver.staging_bytes}))
 
 
 if __name__ == "__main__":
