@@ -1,0 +1,149 @@
+"""DynamicShapes: mark the batch dimension dynamic before Dynamo specializes on it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_ett.compile_events import CompileTracker, compile_tracker
+
+_MAX_DEPTH = 6
+
+
+def mark_batch_dynamic(batch: Any, batch_dim: int = 0) -> int:
+    """Mark ``batch_dim`` of every tensor in ``batch`` (and a KeyedJaggedTensor's values, lengths,
+    weights and offsets) as dynamic; returns how many tensors were marked.
+
+    ``maybe_mark_dynamic``: Dynamo compiles the dimension symbolically but may still specialize
+    it without raising (``mark_dynamic`` would fail the step instead). Dimensions of size 0 or
+    1 are left alone: Dynamo always specializes those.
+    """
+    marked = 0
+
+    def mark(t: torch.Tensor, dim: int) -> None:
+        nonlocal marked
+        if t.dim() > dim and t.shape[dim] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+            marked += 1
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH or obj is None:
+            return
+        if isinstance(obj, torch.Tensor):
+            mark(obj, batch_dim)
+        elif _is_kjt(obj):
+            for t in (obj.values(), obj.lengths(), obj.weights_or_none(), obj.offsets_or_none()):
+                if t is not None:
+                    mark(t, 0)  # jagged: the flat dimension varies with the batch and the id counts
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v, depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name), depth + 1)
+
+    visit(batch, 0)
+    return marked
+
+
+def _is_kjt(obj: Any) -> bool:
+    return type(obj).__name__ == "KeyedJaggedTensor" and hasattr(obj, "lengths")
+
+
+class DynamicShapes(Callback):
+    r"""Mark batch dimensions dynamic so a smaller last batch or variable feature lengths do not recompile.
+
+    Before every training, validation, test and predict step the batch's tensors (also inside
+    dicts, lists, tuples and dataclasses such as TorchRec's ``Batch``) get their ``batch_dim``
+    marked with ``torch._dynamo.maybe_mark_dynamic``; ``KeyedJaggedTensor`` values, lengths,
+    weights and offsets get their flat dimension marked. Works with any ``torch.compile``-d
+    module; costs nothing when nothing is compiled.
+
+    It also counts compilations from Dynamo's compile callbacks: ``compile/recompiles`` (a frame
+    compiled again), ``compile/graphs``, ``compile/graph_breaks`` and ``compile/seconds`` are
+    logged from rank zero to every logger every ``log_every_n_steps`` steps, each compilation is
+    a ``compile`` phase on the ETT timeline, and a warning names the frame that comes within one
+    compilation of ``torch._dynamo.config.recompile_limit`` (past it, Dynamo stops compiling that
+    frame and runs it eagerly).
+
+    Args:
+        batch_dim: the batch dimension of plain tensors in the batch.
+        log_every_n_steps: how often (training steps) the counts are logged.
+    """
+
+    def __init__(self, batch_dim: int = 0, log_every_n_steps: int = 50) -> None:
+        if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+            raise ValueError(f"DynamicShapes(batch_dim={batch_dim!r}): expected an int >= 0 (usually 0).")
+        if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
+            raise ValueError(f"DynamicShapes(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1.")
+        self.batch_dim = batch_dim
+        self.log_every_n_steps = log_every_n_steps
+        self._tracker: CompileTracker | None = None
+        self._warned_frames: set[int] = set()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._tracker = compile_tracker()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        mark_batch_dynamic(batch, self.batch_dim)
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        mark_batch_dynamic(batch, self.batch_dim)
+
+    @override
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        mark_batch_dynamic(batch, self.batch_dim)
+
+    @override
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                               dataloader_idx: int = 0) -> None:
+        mark_batch_dynamic(batch, self.batch_dim)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._warn_near_limit()
+        if trainer.global_step % self.log_every_n_steps == 0:
+            self._log(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer)
+
+    def metrics(self) -> dict[str, float]:
+        t = self._tracker or compile_tracker()
+        return {"compile/recompiles": float(t.recompiles), "compile/graphs": float(t.compiles),
+                "compile/graph_breaks": float(t.graph_breaks()), "compile/seconds": t.seconds}
+
+    def _log(self, trainer: pl.Trainer) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.metrics(), step=trainer.global_step)
+
+    def _warn_near_limit(self) -> None:
+        if self._tracker is None:
+            return
+        limit = int(getattr(torch._dynamo.config, "recompile_limit", getattr(torch._dynamo.config, "cache_size_limit", 8)))
+        for frame, count in self._tracker.compiles_per_frame.items():
+            if count >= limit - 1 and frame not in self._warned_frames:
+                self._warned_frames.add(frame)
+                rank_zero_warn(
+                    f"DynamicShapes: compiled frame {frame} has been compiled {count} times; at "
+                    f"torch._dynamo.config.recompile_limit={limit} Dynamo stops compiling it and runs it eagerly. "
+                    "Run with TORCH_LOGS=recompiles to see which guard fails."
+                )
