@@ -81,15 +81,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write, fsync, rename: readers see the old content or the new one, never a torn file."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
+    part = path.with_name(f"{path.name}.part-{os.getpid()}")
+    with open(part, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
     fsync_path(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 def write_manifest(directory: Path, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Lightning callbacks of lightning-ett."""
 
 from lightning_ett.callbacks.checkpoint import AsyncCheckpoint, CheckpointWriteError
+from lightning_ett.callbacks.compile_cache import CompileCache
 from lightning_ett.callbacks.dynamic_shapes import DynamicShapes, mark_batch_dynamic
 from lightning_ett.callbacks.monitor import ETTMonitor
 
-__all__ = ["AsyncCheckpoint", "CheckpointWriteError", "DynamicShapes", "ETTMonitor", "mark_batch_dynamic"]
+__all__ = ["AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "mark_batch_dynamic"]

@@ -1,0 +1,82 @@
+"""CompileCache: a second process reuses the first one's compile artifacts (real torch.compile, inductor)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import SCRIPTS, run_script
+from lightning_ett import CompileCache, summarize_run_dir
+
+JOB = str(SCRIPTS / "compile_job.py")
+
+
+def run(tmp_path, name: str, cache, *flags: str, **env: str) -> tuple[dict, str]:
+    out = tmp_path / name
+    proc = run_script(JOB, "--out", str(out), "--compile-cache", str(cache), "--sizes", "512,512", *flags, timeout=240,
+                      TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"default-inductor-{name}"), **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads((out / "compile.json").read_text())
+    facts["compile_phase_s"] = summarize_run_dir(out / "ett").phases["compile"]
+    return facts, proc.stderr
+
+
+def test_a_restart_reuses_the_compile_cache_and_another_model_does_not(tmp_path):
+    cache = tmp_path / "cache"
+    cold, _ = run(tmp_path, "cold", cache)
+    assert cold["cache"]["compile/fx_cache_misses"] > 0 and cold["cache"]["compile/fx_cache_hits"] == 0
+    assert (cache / "mega_cache.bin").is_file() and (cache / "inductor").is_dir()
+
+    warm, _ = run(tmp_path, "warm", cache)  # same cache directory: what a restart sees
+    assert warm["cache"]["compile/fx_cache_hits"] > 0 and warm["cache"]["compile/fx_cache_misses"] == 0
+    assert warm["cache"]["compile/aot_cache_hits"] > 0
+    assert warm["loaded"] and warm["loaded"].get("inductor", 0) > 0  # the bundle was loaded too
+    assert 0 < warm["compile_phase_s"] < cold["compile_phase_s"]
+
+    # Another host: only the portable bundle travels, no inductor directory.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in ("mega_cache.bin", "mega_cache.json"):
+        shutil.copy(cache / name, moved / name)
+    bundle_only, _ = run(tmp_path, "bundle", moved)
+    assert bundle_only["cache"]["compile/fx_cache_hits"] > 0
+
+    other, _ = run(tmp_path, "other", cache, "--width", "32")  # a different model, same directory
+    assert other["cache"]["compile/fx_cache_hits"] == 0 and other["cache"]["compile/aot_cache_hits"] == 0
+
+
+def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path):
+    cache = tmp_path / "cache"
+    run(tmp_path, "first", cache)
+    info = json.loads((cache / "mega_cache.json").read_text())
+    (cache / "mega_cache.json").write_text(json.dumps({**info, "torch": "1.0.0"}))
+    facts, stderr = run(tmp_path, "second", cache)
+    assert "CompileCache: ignoring" in stderr and "written by torch 1.0.0" in stderr
+    assert facts["loaded"] == {} and facts["steps"] == 2
+
+
+def test_compile_module_compiles_the_lightning_module(tmp_path):
+    facts, _ = run(tmp_path, "module", tmp_path / "cache", "--compile-module", "--backend", "aot_eager")
+    assert facts["graphs"] >= 1 and facts["steps"] == 2
+
+
+def test_an_unwritable_cache_dir_is_a_clear_error(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    trainer = Trainer(max_steps=1, callbacks=[CompileCache(blocker / "cache")], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    with pytest.raises(PermissionError, match=r"CompileCache\(cache_dir=.*a_file/cache'\) is not writable"):
+        trainer.fit(BoringModel())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"cache_dir": ""}, "cache_dir=''"),
+                                                 ({"cache_dir": "x", "job_id": ""}, "job_id=''"),
+                                                 ({"cache_dir": "x", "compile_kwargs": ["a"]}, "compile_kwargs")])
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        CompileCache(**kwargs)
