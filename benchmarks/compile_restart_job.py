@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_ett.environment import process_start_time  # noqa: E402  (first: the clock starts at process start)
+from lightning_ett.environment import process_start_time
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from conftest import SCRIPTS, run_script
+
 from lightning_ett import CompileCache, summarize_run_dir
 
 JOB = str(SCRIPTS / "compile_job.py")
