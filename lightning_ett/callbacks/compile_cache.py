@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ from typing_extensions import override
 
 from lightning_ett.checkpoint_format import atomic_write_bytes
 from lightning_ett.compile_events import CompileTracker, compile_tracker
+
+log = logging.getLogger(__name__)
 
 ARTIFACTS = "mega_cache.bin"
 ARTIFACTS_INFO = "mega_cache.json"
@@ -96,6 +100,8 @@ class CompileCache(Callback):
         if self.batch_fusion:
             self._enable_batch_fusion()
         self._tracker = compile_tracker()
+        if trainer.strategy.root_device.type == "cpu":
+            _probe_cpu_isa_in_background()
         self._load_artifacts()
         if self.compile_module:
             pl_module.compile(**self.compile_kwargs)
@@ -188,6 +194,26 @@ class CompileCache(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass  # the cache lives on disk; job_id comes from the constructor so a restart computes the same one
+
+
+def _probe_cpu_isa_in_background() -> None:
+    """Start inductor's CPU vector-ISA probe now, in a thread, instead of inside the first compile.
+
+    Inductor's first CPU compile in a process checks which vector ISAs (AVX2, AVX-512…) work
+    by building and loading probe libraries in ~10 subprocesses: 1.2 s here, paid on every
+    restart even when every graph comes from the cache (no cache keeps it: it describes this
+    host). Run from ``setup`` it overlaps with the rest of start-up and with Dynamo's tracing
+    of the first step; the result is ``functools.cache``-d, so the compile then finds it done.
+    """
+    def probe() -> None:
+        try:
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            pick_vec_isa()
+        except Exception as e:  # noqa: BLE001 - only a head start: the compile will probe itself
+            log.debug(f"CompileCache: background ISA probe failed ({e!r}); the first compile will probe")
+
+    threading.Thread(target=probe, name="ett-inductor-isa-probe", daemon=True).start()
 
 
 def _counts(cache_info: Any) -> dict[str, int]:
