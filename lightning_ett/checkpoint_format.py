@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from lightning_ett.fsutil import atomic_write_text
+
 META_FILE = "lightning.pt"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
@@ -70,30 +72,6 @@ def crc32_of(path: Path, drop_cache: bool = False) -> int:
             except OSError:
                 pass  # only an optimization
         return crc
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory (a directory's fsync makes renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write, fsync, rename: readers see the old content or the new one, never a torn file."""
-    part = path.with_name(f"{path.name}.part-{os.getpid()}")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
-    fsync_path(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 def write_manifest(directory: Path, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,8 +16,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett import checkpoint_format as fmt
+from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.callbacks.staging import Stager
 from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWriter, WriteResult
+from lightning_ett.fsutil import writable_dir_error
 from lightning_ett.timeline import Phase, get_timeline, record_phase
 
 WhenBusy = Literal["skip", "wait"]
@@ -133,7 +134,8 @@ class AsyncCheckpoint(Checkpoint):
         if stage != "fit":
             return
         self.dirpath = self.dirpath.absolute()
-        self._agree_or_raise(trainer, self._check_writable(trainer.global_rank), "could not write to its dirpath")
+        self._agree_or_raise(trainer, writable_dir_error(self.dirpath, "AsyncCheckpoint(dirpath", trainer.global_rank),
+                             "could not write to its dirpath")
         if trainer.is_global_zero:
             for stale in [*self.dirpath.glob("step-*" + fmt.TMP_SUFFIX), *self.dirpath.glob("step-*" + fmt.REPLACED_SUFFIX)]:
                 fmt.remove(stale)  # from a crashed attempt; never selected, now deleted
@@ -149,19 +151,6 @@ class AsyncCheckpoint(Checkpoint):
         if self.resume:
             self._patch_resume(trainer)
         trainer.strategy.barrier("AsyncCheckpoint.setup")  # stale .tmp directories are gone everywhere
-
-    def _check_writable(self, rank: int) -> BaseException | None:
-        probe = self.dirpath / f".write-probe-{rank}-{uuid.uuid4().hex[:8]}"
-        try:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            return PermissionError(
-                f"AsyncCheckpoint(dirpath={str(self.dirpath)!r}) is not writable ({e.strerror or e}); "
-                "pass a directory this job can create files in."
-            )
-        return None
 
     def _patch_resume(self, trainer: pl.Trainer) -> None:
         """Resume from the newest complete checkpoint when ``fit`` was given no ``ckpt_path``.
@@ -313,9 +302,7 @@ class AsyncCheckpoint(Checkpoint):
         blocked = self._pending_blocked.pop(result.step, float("nan"))
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes)}
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        log_to_loggers(trainer, metrics)
         rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({result.bytes / 2**20:.1f} MiB; "
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
                        f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB)")

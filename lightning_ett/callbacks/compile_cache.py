@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.checkpoint_format import atomic_write_bytes
+from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.compile_events import CompileTracker, compile_tracker
+from lightning_ett.fsutil import atomic_write_bytes, writable_dir_error
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +84,8 @@ class CompileCache(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         inductor_dir = self.cache_dir / "inductor"
-        try:
-            inductor_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.cache_dir / f".write-probe-{trainer.global_rank}-{uuid.uuid4().hex[:8]}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise PermissionError(f"CompileCache(cache_dir={str(self.cache_dir)!r}) is not writable ({e.strerror or e}); "
-                                  "pass a directory this job can create files in.") from e
+        if error := writable_dir_error(inductor_dir, "CompileCache(cache_dir", trainer.global_rank):
+            raise PermissionError(str(error).replace(str(inductor_dir), str(self.cache_dir)))
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)  # read by inductor at every cache lookup
         torch.compiler.config.job_id = self.job_id
         if self.autotune_pruning:
@@ -151,9 +145,7 @@ class CompileCache(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._save(trainer)
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.metrics(), step=trainer.global_step)
+        log_to_loggers(trainer, self.metrics())
 
     def _save(self, trainer: pl.Trainer) -> None:
         tracker = self._tracker or compile_tracker()

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.compile_events import CompileTracker, compile_tracker
 
 _MAX_DEPTH = 6
@@ -131,9 +132,7 @@ class DynamicShapes(Callback):
                 "compile/graph_breaks": float(t.graph_breaks()), "compile/seconds": t.seconds}
 
     def _log(self, trainer: pl.Trainer) -> None:
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.metrics(), step=trainer.global_step)
+        log_to_loggers(trainer, self.metrics())
 
     def _warn_near_limit(self) -> None:
         if self._tracker is None:

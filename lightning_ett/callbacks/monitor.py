@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.environment import JobContext, import_time, resolve_job_context, write_job_file
 from lightning_ett.ledger import read_ledger
 from lightning_ett.summary import Summary, summarize, summarize_run_dir
@@ -149,7 +150,7 @@ class ETTMonitor(Callback):
         step = trainer.global_step
         if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step != self._logged_step and trainer.loggers:
             self._logged_step = step  # once per optimizer step, also under gradient accumulation
-            self._log(trainer, self.live_metrics())
+            log_to_loggers(trainer, self.live_metrics())
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,11 +200,6 @@ class ETTMonitor(Callback):
             seconds[phase] += value
         return _metrics(seconds, wall=max(time.time() - job_start, 1e-9))
 
-    @staticmethod
-    def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for restore in reversed(self._restore):
@@ -212,7 +208,7 @@ class ETTMonitor(Callback):
         if stage != "fit" or not trainer.is_global_zero:
             return
         summary = summarize_run_dir(self.run_dir, now=time.time())
-        self._log(trainer, _metrics(summary.phases, summary.wall_s))
+        log_to_loggers(trainer, _metrics(summary.phases, summary.wall_s))
         from lightning_ett.report import REPORT_PNG, write_report
 
         write_report(summary, self.run_dir, show=self.report_on_end)

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_ett import checkpoint_format as fmt
 from lightning_ett.callbacks.staging import Snapshot
+from lightning_ett.fsutil import atomic_write_text, fsync_path
 
 
 class CheckpointWriteError(RuntimeError):
@@ -207,15 +208,15 @@ class CheckpointWriter:
         # roll-back (fit from an older checkpoint) the new line of checkpoints is the newest.
         seq = max((e.seq for e in fmt.committed(self.root)), default=0) + 1
         fmt.write_manifest(tmp, step, {"time": time.time(), "seq": seq})
-        fmt.fsync_path(tmp)
+        fsync_path(tmp)
         aside = final.with_name(final.name + fmt.REPLACED_SUFFIX)
         if final.exists():  # the same step from an abandoned line: moved aside, deleted once replaced
             fmt.remove(aside)
             os.replace(final, aside)
         os.replace(tmp, final)
-        fmt.fsync_path(self.root)
+        fsync_path(self.root)
         fmt.remove(aside)
-        fmt.atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
+        atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention(final)
 
     def _apply_retention(self, newest: Path) -> None:
