@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ from typing_extensions import override
 
 from lightning_ett import checkpoint_format as fmt
 from lightning_ett.callbacks.metrics_logging import log_to_loggers
+from lightning_ett.callbacks.patching import shadow_method
 from lightning_ett.callbacks.staging import Stager
 from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.fsutil import writable_dir_error
@@ -115,8 +117,7 @@ class AsyncCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         self._steps_seen = 0
         self._best_model_path = ""
-        self._patched: list[tuple[Any, str, Any]] = []
-        self._pending_blocked: dict[int, float] = {}
+        self._restore: list[Callable[[], None]] = []
         self._crashed = False
         self._group: Any | None = None
 
@@ -167,7 +168,7 @@ class AsyncCheckpoint(Checkpoint):
                 checkpoint_path = self._select_resume_checkpoint(trainer)
             original(checkpoint_path, weights_only=weights_only)
 
-        self._patch(connector, "resume_start", resume_start)
+        self._restore.append(shadow_method(connector, "resume_start", resume_start))
 
     def _select_resume_checkpoint(self, trainer: pl.Trainer) -> str | None:
         """Rank 0 verifies, every rank gets its answer (or its error)."""
@@ -187,20 +188,6 @@ class AsyncCheckpoint(Checkpoint):
         if path is not None:
             rank_zero_info(f"AsyncCheckpoint: resuming from the newest complete checkpoint {path}")
         return path
-
-    def _patch(self, obj: Any, name: str, value: Any) -> None:
-        """Set ``obj.name`` for this fit; :meth:`_unpatch` puts back what was there (attribute or property)."""
-        own = name in vars(obj) or isinstance(getattr(type(obj), name, None), property)
-        self._patched.append((obj, name, getattr(obj, name) if own else _MISSING))
-        setattr(obj, name, value)
-
-    def _unpatch(self) -> None:
-        for obj, name, old in reversed(self._patched):
-            if old is _MISSING:
-                vars(obj).pop(name, None)  # the class attribute (e.g. a method) shows through again
-            else:
-                setattr(obj, name, old)
-        self._patched.clear()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -264,11 +251,10 @@ class AsyncCheckpoint(Checkpoint):
                 tensors = {"model": checkpoint.pop("state_dict")} if trainer.is_global_zero else None
             if tensors is not None:  # (replicated state: rank 0 writes it all)
                 snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint})
-                self._writer.submit(snapshot, step)
+                self._writer.submit(snapshot, step, blocked_s=time.perf_counter() - start)
         self.last_saved_step = step
         self.saves += 1
         self._last_save_time = time.monotonic()
-        self._pending_blocked[step] = time.perf_counter() - start
 
     def _agree(self, trainer: pl.Trainer, *flags: bool) -> list[bool]:
         """Each flag OR-ed over all ranks: one small all-reduce, only when a save is due."""
@@ -299,7 +285,7 @@ class AsyncCheckpoint(Checkpoint):
         if result is None:
             return
         self._best_model_path = str(result.path)
-        blocked = self._pending_blocked.pop(result.step, float("nan"))
+        blocked = result.blocked_s
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes)}
         log_to_loggers(trainer, metrics)
@@ -339,7 +325,9 @@ class AsyncCheckpoint(Checkpoint):
             self._cleanup()
 
     def _cleanup(self) -> None:
-        self._unpatch()
+        for restore in reversed(self._restore):
+            restore()
+        self._restore.clear()
         self._writer = None
         self._stager.release()
         if self._group is not None:
@@ -372,9 +360,6 @@ def _require_full_copy(trainer: pl.Trainer, state_dict: dict[str, Any]) -> None:
             "sharded state only with ETTStrategy (or a strategy with `dcp_checkpoint_tensors`). Use ETTStrategy, or a "
             "strategy that keeps a full copy of the model on every rank (single device, DDP)."
         )
-
-
-_MISSING = object()
 
 
 def _accumulating(trainer: pl.Trainer) -> bool:

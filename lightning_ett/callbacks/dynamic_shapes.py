@@ -105,15 +105,8 @@ class DynamicShapes(Callback):
                                   dataloader_idx: int = 0) -> None:
         mark_batch_dynamic(batch, self.batch_dim)
 
-    @override
-    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-                            dataloader_idx: int = 0) -> None:
-        mark_batch_dynamic(batch, self.batch_dim)
-
-    @override
-    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
-                               dataloader_idx: int = 0) -> None:
-        mark_batch_dynamic(batch, self.batch_dim)
+    on_test_batch_start = on_validation_batch_start  # same signature, same job
+    on_predict_batch_start = on_validation_batch_start
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

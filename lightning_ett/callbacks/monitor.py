@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.metrics_logging import log_to_loggers
+from lightning_ett.callbacks.patching import shadow_method
 from lightning_ett.environment import JobContext, import_time, resolve_job_context, write_job_file
 from lightning_ett.ledger import read_ledger
 from lightning_ett.summary import Summary, summarize, summarize_run_dir
@@ -116,8 +117,7 @@ class ETTMonitor(Callback):
                 self._timeline.record(phase, start, time.time())
 
         timed._ett_wrapped = True  # type: ignore[attr-defined]
-        setattr(owner, name, timed)
-        self._restore.append(lambda: owner.__dict__.pop(name, None))
+        self._restore.append(shadow_method(owner, name, timed))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -28,36 +28,24 @@ from torch.distributed._state_dict_utils import (
 )
 
 
-def _on_cuda(state: Any) -> bool:
-    found = False
-
-    def visit(obj: Any, *_: Any) -> Any:
-        nonlocal found
-        found = found or obj.device.type == "cuda"
-        return obj
-
-    _iterate_state_dict(state, visit, visit, visit, type_check=False)
-    return found
-
-
 def _signature(state: Any) -> list[tuple[Any, ...]]:
-    """Shapes and dtypes of every tensor, in order: equal signatures mean the buffers fit.
+    """Shapes, dtypes and devices of every tensor, in order: equal signatures mean the buffers fit.
 
     (DCP's ``_check_state_dict_similarity`` would do, but it also copies every tensor.)
     """
     sig: list[tuple[Any, ...]] = []
 
     def tensor(obj: torch.Tensor, *_: Any) -> torch.Tensor:
-        sig.append(("t", tuple(obj.shape), obj.dtype))
+        sig.append(("t", tuple(obj.shape), obj.dtype, obj.device.type))
         return obj
 
     def sharded(obj: Any, *_: Any) -> Any:
-        sig.append(("st", tuple(obj.size()), obj.dtype,
+        sig.append(("st", tuple(obj.size()), obj.dtype, obj.device.type,
                     tuple((tuple(s.metadata.shard_offsets), tuple(s.tensor.shape)) for s in obj.local_shards())))
         return obj
 
     def dtensor(obj: Any, *_: Any) -> Any:
-        sig.append(("dt", tuple(obj.shape), tuple(obj._local_tensor.shape), obj.dtype))
+        sig.append(("dt", tuple(obj.shape), tuple(obj._local_tensor.shape), obj.dtype, obj.device.type))
         return obj
 
     _iterate_state_dict(state, sharded, dtensor, tensor, type_check=False)
@@ -110,8 +98,8 @@ class Stager:
         The caller must not stage again before the writer has finished with the previous
         snapshot (AsyncCheckpoint keeps at most one save in flight).
         """
-        cuda = _on_cuda(state)
         signature = _signature(state)
+        cuda = any(entry[3] == "cuda" for entry in signature)
         if self._buffers is None or signature != self._signature:
             self._allocate(state, signature, cuda)
         try:

@@ -55,6 +55,7 @@ class WriteResult:
     path: Path
     seconds: float  # background time, from the start of the write to the commit
     bytes: int
+    blocked_s: float  # what the save cost the training thread (snapshot), for the report
 
 
 _writer_thread = threading.local()
@@ -125,7 +126,7 @@ class CheckpointWriter:
     def busy(self) -> bool:
         return self.status()[0]
 
-    def submit(self, snapshot: Snapshot, step: int) -> None:
+    def submit(self, snapshot: Snapshot, step: int, blocked_s: float = float("nan")) -> None:
         """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight)."""
         assert not self.busy, "at most one save in flight"
         future: Future[WriteResult | None] = Future()
@@ -135,7 +136,7 @@ class CheckpointWriter:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, not this rank's GPU
             try:
-                future.set_result(self._write(snapshot, step))
+                future.set_result(self._write(snapshot, step, blocked_s))
             except BaseException as e:  # noqa: BLE001 - delivered to the training thread through the Future
                 future.set_exception(e)
 
@@ -168,12 +169,13 @@ class CheckpointWriter:
         return future.result()
 
     # ------------------------------------------------------------------ worker thread
-    def _write(self, snapshot: Snapshot, step: int) -> WriteResult | None:
+    def _write(self, snapshot: Snapshot, step: int, blocked_s: float) -> WriteResult | None:
         start = time.perf_counter()
         snapshot.wait()  # CUDA: the non-blocking copies have landed
         name = fmt.checkpoint_name(step)
         tmp = self.root / (name + fmt.TMP_SUFFIX)
         error: str | None = None
+        nbytes = 0
         # per_thread_copy_ahead=0: the tensors are already on the CPU; DCP's overlapping loader
         # would touch CUDA streams from this thread for nothing.
         writer = FileSystemWriter(tmp, sync_files=True, per_thread_copy_ahead=0)
@@ -182,7 +184,7 @@ class CheckpointWriter:
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                self._commit(tmp, self.root / name, snapshot.state["meta"], step)
+                nbytes = self._commit(tmp, self.root / name, snapshot.state["meta"], step)
             except Exception as e:
                 error = repr(e)
                 if not self.collective or self.group is None:
@@ -194,11 +196,10 @@ class CheckpointWriter:
                 raise CheckpointWriteError(f"rank 0 could not commit checkpoint {name}: {status[0]}")
         if self.rank != 0:
             return None
-        final = self.root / name
-        nbytes = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
-        return WriteResult(step, final, time.perf_counter() - start, nbytes)
+        return WriteResult(step, self.root / name, time.perf_counter() - start, nbytes, blocked_s)
 
-    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int) -> None:
+    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int) -> int:
+        """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes."""
         part = tmp / (fmt.META_FILE + ".part")
         torch.save(meta, part)
         with open(part, "rb") as f:
@@ -206,8 +207,9 @@ class CheckpointWriter:
         os.replace(part, tmp / fmt.META_FILE)
         # The commit number orders checkpoints by when they were made, not by step: after a
         # roll-back (fit from an older checkpoint) the new line of checkpoints is the newest.
-        seq = max((e.seq for e in fmt.committed(self.root)), default=0) + 1
-        fmt.write_manifest(tmp, step, {"time": time.time(), "seq": seq})
+        entries = fmt.committed(self.root)
+        seq = max((e.seq for e in entries), default=0) + 1
+        manifest = fmt.write_manifest(tmp, step, {"time": time.time(), "seq": seq})
         fsync_path(tmp)
         aside = final.with_name(final.name + fmt.REPLACED_SUFFIX)
         if final.exists():  # the same step from an abandoned line: moved aside, deleted once replaced
@@ -217,14 +219,14 @@ class CheckpointWriter:
         fsync_path(self.root)
         fmt.remove(aside)
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
-        self._apply_retention(final)
+        # Oldest commit first; the copy of `final` moved aside is gone, the new one is newest.
+        entries = [e for e in entries if e.path != final] + [fmt.CheckpointEntry(final, step, seq)]
+        self._apply_retention(entries)
+        return sum(f["bytes"] for f in manifest["files"].values())
 
-    def _apply_retention(self, newest: Path) -> None:
-        """Keep the ``keep_last_n`` most recently committed; never the one just committed."""
+    def _apply_retention(self, entries: list[fmt.CheckpointEntry]) -> None:
+        """Keep the ``keep_last_n`` most recently committed (``entries`` ends with the one just committed)."""
         if self.keep_last_n is None:
             return
-        entries = fmt.committed(self.root)  # oldest commit first
-        keep = {e.path for e in entries[-self.keep_last_n :]} | {newest}
-        for entry in entries:
-            if entry.path not in keep:
-                fmt.remove(entry.path)
+        for entry in entries[: -self.keep_last_n]:
+            fmt.remove(entry.path)
