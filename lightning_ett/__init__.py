@@ -1,12 +1,48 @@
-"""lightning-ett: raise the Effective Training Time of Lightning + TorchRec jobs."""
+"""lightning-ett: raise the Effective Training Time of Lightning + TorchRec jobs.
 
-from lightning_ett.callbacks import AsyncCheckpoint, CheckpointWriteError, CompileCache, DynamicShapes, ETTMonitor
+Public names load on first use (PEP 562), so ``lightning run`` and ``lightning-ett report``
+start without importing Lightning and TorchRec: their start-up is part of every job's
+wall time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_ett.environment import mark_imported
-from lightning_ett.strategies import ETTStrategy
-from lightning_ett.summary import Summary, summarize, summarize_run_dir
-from lightning_ett.timeline import Phase, get_timeline, record_phase
+
+if TYPE_CHECKING:
+    from lightning_ett.callbacks import AsyncCheckpoint, CheckpointWriteError, CompileCache, DynamicShapes, ETTMonitor
+    from lightning_ett.strategies import ETTStrategy
+    from lightning_ett.summary import Summary, summarize, summarize_run_dir
+    from lightning_ett.timeline import Phase, get_timeline, record_phase
 
 __version__ = "0.1.0"
-__all__ = ["AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy", "Phase", "Summary", "get_timeline", "record_phase", "summarize", "summarize_run_dir"]
 
-mark_imported()  # the ``import`` phase ends here, after Lightning and torch are in
+_WHERE = {
+    "AsyncCheckpoint": "lightning_ett.callbacks", "CheckpointWriteError": "lightning_ett.callbacks",
+    "CompileCache": "lightning_ett.callbacks", "DynamicShapes": "lightning_ett.callbacks",
+    "ETTMonitor": "lightning_ett.callbacks", "ETTStrategy": "lightning_ett.strategies",
+    "Summary": "lightning_ett.summary", "summarize": "lightning_ett.summary", "summarize_run_dir": "lightning_ett.summary",
+    "Phase": "lightning_ett.timeline", "get_timeline": "lightning_ett.timeline", "record_phase": "lightning_ett.timeline",
+}
+__all__ = [
+    "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy", "Phase",
+    "Summary", "get_timeline", "record_phase", "summarize", "summarize_run_dir",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_ett' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    if module in ("lightning_ett.callbacks", "lightning_ett.strategies"):
+        mark_imported()  # the ``import`` phase ends once Lightning and torch are in
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

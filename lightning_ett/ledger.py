@@ -18,11 +18,25 @@ from pathlib import Path
 from typing import Any
 
 LEDGER_DIR = "ledger"
+#: The launcher's own records (attempt starts, failures, outcome), one file per node.
+LAUNCHER_DIR = "launcher"
 _FILE_RE = re.compile(r"attempt-(\d+)/rank-(\d+)\.jsonl$")
 
 
 def ledger_path(run_dir: Path, attempt: int, rank: int) -> Path:
     return Path(run_dir) / LEDGER_DIR / f"attempt-{attempt:04d}" / f"rank-{rank:05d}.jsonl"
+
+
+def launcher_ledger_path(run_dir: Path, node_rank: int) -> Path:
+    return Path(run_dir) / LEDGER_DIR / LAUNCHER_DIR / f"node-{node_rank:05d}.jsonl"
+
+
+def read_launcher_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every node's launcher records (``launch``, ``attempt``, ``failure``, ``end``), by time."""
+    records = []
+    for path in sorted((Path(run_dir) / LEDGER_DIR / LAUNCHER_DIR).glob("node-*.jsonl")):
+        records.extend(r for r in _read_records(path) if r is not None)
+    return sorted(records, key=lambda r: r.get("time", 0.0))
 
 
 def rank_ledger_files(run_dir: Path, rank: int) -> list[Path]:
@@ -63,6 +77,7 @@ class RankLedger:
     header: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     status: str | None = None  # "finished" or "failed" once the attempt ended on this rank
+    reason: str | None = None  # why it failed, when the rank could tell
     torn_lines: int = 0
 
 
@@ -105,5 +120,6 @@ def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> li
                 ledger.events.append(record)
             elif record.get("kind") == "status":
                 ledger.status = record.get("status")
+                ledger.reason = record.get("reason")
         ledgers.append(ledger)
     return ledgers

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from lightning_ett.summary import Summary
@@ -61,8 +62,25 @@ def render_table(summary: Summary, title: str | None = None) -> Table:
     return table
 
 
+def render_attempts(summary: Summary) -> Table:
+    """One row per attempt: which steps it ran and how it ended (the launcher's words on failures)."""
+    table = Table(title="attempts", caption=f"job: {escape(summary.outcome)}" if summary.outcome else None)
+    for name in ("attempt", "ranks", "steps", "seconds", "ended"):
+        table.add_column(name, justify="right" if name in ("attempt", "seconds") else "left")
+    for info in summary.attempts:
+        steps = f"{info.first_step}..{info.last_step}" if info.first_step is not None else "-"
+        ended = "finished" if info.completed else (info.failure or "no status (killed, or still running)")
+        ranks = ",".join(map(str, info.ranks)) if info.ranks else "-"
+        table.add_row(str(info.attempt), ranks, steps, f"{info.end - info.start:.1f}", escape(ended),
+                      style="" if info.completed else "red")
+    return table
+
+
 def print_report(summary: Summary, console: Console | None = None) -> None:
-    (console or Console()).print(render_table(summary))
+    console = console or Console()
+    console.print(render_table(summary))
+    if len(summary.attempts) > 1 or any(not a.completed for a in summary.attempts) or summary.outcome:
+        console.print(render_attempts(summary))
 
 
 def render_png(summary: Summary, path: str | os.PathLike) -> Path:

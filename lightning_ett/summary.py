@@ -12,6 +12,8 @@ Rules (also in the README's "How ETT% is measured"):
   earlier again: its result was discarded. Each step thus counts as effective once, in the
   attempt whose result the job kept.
 * Job-level phase seconds are the mean over ranks, so they add up to the wall time.
+* Under ``lightning run`` the launcher's records widen the wall time to its own start and
+  end, and say why each failed attempt ended.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_ett.ledger import RankLedger, read_ledger
+from lightning_ett.ledger import RankLedger, read_launcher_records, read_ledger
 from lightning_ett.timeline import LOST, PHASE_NAMES, Phase
 
 SUMMARY_FILE = "ett_summary.json"
@@ -45,6 +47,7 @@ class AttemptInfo:
     first_step: int | None
     last_step: int | None
     completed: bool
+    failure: str | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Summary:
     per_rank: dict[int, dict[str, float]]
     segments: dict[int, list[Segment]] = field(repr=False)
     torn_records: int = 0
+    outcome: str | None = None  # the launcher's last word: "finished", "gave up after ...", ...
 
     @property
     def wall_s(self) -> float:
@@ -91,6 +95,7 @@ class Summary:
             "per_rank": {str(r): {k: round(v, 3) for k, v in p.items()} for r, p in self.per_rank.items()},
             "attempt_details": [vars(a) for a in self.attempts],
             "torn_records": self.torn_records,
+            "outcome": self.outcome,
         }
 
     def write_json(self, run_dir: str | os.PathLike) -> Path:
@@ -176,15 +181,24 @@ def _rank_segments(
     return segments
 
 
-def summarize(ledgers: list[RankLedger], later_resume_step: int | None = None, now: float | None = None) -> Summary:
+def summarize(
+    ledgers: list[RankLedger],
+    later_resume_step: int | None = None,
+    now: float | None = None,
+    launcher: list[dict[str, Any]] | None = None,
+) -> Summary:
     """Compute the job summary from ledgers (see the module docstring for the rules).
 
     ``later_resume_step`` lets a running attempt count its predecessors' lost steps before it
-    has written any; ``now`` extends the wall time of a running job to the present.
+    has written any; ``now`` extends the wall time of a running job to the present;
+    ``launcher`` are the launcher's records (:func:`lightning_ett.ledger.read_launcher_records`).
     """
+    launcher = launcher or []
     starts = [lg.header.get("job_start") for lg in ledgers if lg.header.get("job_start") is not None]
     starts += [e["start"] for lg in ledgers for e in lg.events]
+    starts += [r[k] for r in launcher if r.get("kind") == "launch" for k in ("job_start", "time") if k in r]
     ends = [e["end"] for lg in ledgers for e in lg.events]
+    ends += [r["time"] for r in launcher if r.get("kind") in ("failure", "end")]
     if not starts or not ends:
         raise ValueError("The ledger has no events yet: nothing to summarize.")
     job_start, job_end = min(starts), max(ends + ([now] if now is not None else []))
@@ -201,14 +215,33 @@ def summarize(ledgers: list[RankLedger], later_resume_step: int | None = None, n
             totals[seg.phase] += seg.end - seg.start
         per_rank[rank] = totals
     phases = {name: sum(p[name] for p in per_rank.values()) / max(len(per_rank), 1) for name in PHASE_NAMES}
-    return Summary(job_start, job_end, phases, _attempts(ledgers), per_rank, segments, sum(lg.torn_lines for lg in ledgers))
+    if not any(lg.events for lg in ledgers):  # no rank got as far as recording: the job never left launch
+        phases[Phase.LAUNCH.value] = job_end - job_start
+    ends_said = [r for r in launcher if r.get("kind") == "end"]
+    outcome = ends_said[-1].get("reason") if ends_said else None
+    return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
+                   sum(lg.torn_lines for lg in ledgers), outcome)
 
 
-def _attempts(ledgers: list[RankLedger]) -> list[AttemptInfo]:
+def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list[AttemptInfo]:
+    started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
+    failures: dict[int, list[dict[str, Any]]] = {}
+    for r in launcher:
+        if r.get("kind") == "failure":
+            failures.setdefault(int(r["attempt"]), []).append(r)
     infos = []
-    for attempt in sorted({lg.attempt for lg in ledgers}):
+    for attempt in sorted({lg.attempt for lg in ledgers} | set(started)):
         group = [lg for lg in ledgers if lg.attempt == attempt and lg.events]
+        said = failures.get(attempt, [])
+        if said:
+            failure = "; ".join(f"rank {r['rank']} {r['reason']}" for r in said if r.get("root_cause", True))
+        else:
+            failure = "; ".join(f"rank {lg.rank} {lg.reason}" for lg in group if lg.status == "failed" and lg.reason) or None
         if not group:
+            if attempt not in started:
+                continue
+            end = max([r["time"] for r in said] + [started[attempt]])
+            infos.append(AttemptInfo(attempt, started[attempt], end, [], None, None, False, failure))
             continue
         steps = [s for lg in group for s in _train_steps(lg)]
         infos.append(
@@ -220,10 +253,11 @@ def _attempts(ledgers: list[RankLedger]) -> list[AttemptInfo]:
                 first_step=min(steps) if steps else None,
                 last_step=max(steps) if steps else None,
                 completed=any(lg.status == "finished" for lg in group),
+                failure=failure,
             )
         )
     return infos
 
 
 def summarize_run_dir(run_dir: str | os.PathLike, now: float | None = None) -> Summary:
-    return summarize(read_ledger(run_dir), now=now)
+    return summarize(read_ledger(run_dir), now=now, launcher=read_launcher_records(run_dir))

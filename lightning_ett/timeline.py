@@ -156,11 +156,14 @@ class Timeline:
             if self._writer is not None:
                 self._writer.append({"kind": "header", **fields})
 
-    def set_status(self, status: str) -> None:
-        """Mark how this attempt ended on this rank (``finished`` or ``failed``)."""
+    def set_status(self, status: str, reason: str | None = None) -> None:
+        """Mark how this attempt ended on this rank (``finished`` or ``failed``, and why)."""
+        record: dict[str, Any] = {"kind": "status", "status": status, "time": time.time()}
+        if reason:
+            record["reason"] = reason
         with self._lock:
             if self._writer is not None:
-                self._writer.append({"kind": "status", "status": status, "time": time.time()})
+                self._writer.append(record)
 
 
 _TIMELINE = Timeline()

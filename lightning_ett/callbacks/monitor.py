@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing_extensions import override
 
 from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.callbacks.patching import shadow_method
-from lightning_ett.environment import JobContext, import_time, resolve_job_context, write_job_file
+from lightning_ett.environment import ENV_LAUNCHER, JobContext, import_time, resolve_job_context, write_job_file
+from lightning_ett.faults import faults_from_env, maybe_kill
 from lightning_ett.ledger import read_ledger
 from lightning_ett.summary import Summary, summarize, summarize_run_dir
 from lightning_ett.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
@@ -45,7 +47,8 @@ class ETTMonitor(Callback):
             directory are attempts of one job.
         log_every_n_steps: how often (training steps) rank zero logs ``ett/percent`` and
             ``ett/<phase>_s`` to every attached logger; the final values are logged at the end.
-        report_on_end: print the rich table at the end of ``fit``.
+        report_on_end: print the rich table at the end of ``fit`` (under ``lightning run`` the launcher prints it
+            for the whole job instead).
     """
 
     def __init__(self, run_dir: str | Path | None = None, log_every_n_steps: int = 50, report_on_end: bool = True) -> None:
@@ -58,6 +61,7 @@ class ETTMonitor(Callback):
         # Resolved now, not at setup: Lightning spawns the other ranks before `setup`, and
         # they must inherit this job's id, start and attempt through the environment.
         self.context: JobContext = resolve_job_context(run_dir)
+        self._faults = faults_from_env()  # the documented fault-injection switch (lightning_ett.faults)
         self._mark = time.time()
         self._step_start: float | None = None
         self._batch_step: int | None = None
@@ -148,6 +152,8 @@ class ETTMonitor(Callback):
         assert self._step_start is not None
         self._step_start = self._close(Phase.TRAIN, self._step_start, self._batch_step)
         step = trainer.global_step
+        if self._faults:
+            maybe_kill(self._faults, trainer.global_rank, step, self.context.attempt)
         if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step != self._logged_step and trainer.loggers:
             self._logged_step = step  # once per optimizer step, also under gradient accumulation
             log_to_loggers(trainer, self.live_metrics())
@@ -211,7 +217,8 @@ class ETTMonitor(Callback):
         log_to_loggers(trainer, _metrics(summary.phases, summary.wall_s))
         from lightning_ett.report import REPORT_PNG, write_report
 
-        write_report(summary, self.run_dir, show=self.report_on_end)
+        # Under `lightning run` the launcher prints the job's report once the job ends.
+        write_report(summary, self.run_dir, show=self.report_on_end and ENV_LAUNCHER not in os.environ)
         self._log_wandb(trainer, summary, self.run_dir / REPORT_PNG)
 
     @staticmethod
@@ -226,7 +233,7 @@ class ETTMonitor(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._timeline.set_status("failed")
+        self._timeline.set_status("failed", reason=f"{type(exception).__name__}: {exception}"[:500])
         self._timeline.shutdown_from = time.time()
 
     # ------------------------------------------------------------------ state

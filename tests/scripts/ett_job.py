@@ -69,6 +69,8 @@ class ShardedDLRM(LightningModule):
 
     sigterm_at: int | None = None
     kill_at: int | None = None
+    fail_at: int | None = None
+    step_sleep = 0.0
     dense_optimizer = "adam"
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -80,6 +82,12 @@ class ShardedDLRM(LightningModule):
             import signal
 
             os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler's preemption sends
+        if self.step_sleep:
+            import time
+
+            time.sleep(self.step_sleep)
+        if self.fail_at == self.global_step:
+            raise RuntimeError(f"planted bug at step {self.global_step}")
         dense, kjt, labels = make_batch(self.global_step, self.global_rank, self.batch, self.rows)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(self.dlrm(dense, kjt).squeeze(-1), labels)
         self.losses.append(loss.item())
@@ -136,6 +144,9 @@ def main() -> None:
     p.add_argument("--async-minutes", type=float, default=None, help="AsyncCheckpoint every_n_minutes into --ckpt-dir")
     p.add_argument("--sync-ref-at", type=int, default=None,
                    help="also save synchronously (trainer.save_checkpoint) at this step, into OUT/ref")
+    p.add_argument("--ett-from-env", action="store_true", help="ETTMonitor() takes its run dir from the launcher")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
+    p.add_argument("--fail-at", type=int, default=None, help="raise in training_step at this step, on every attempt")
     args = p.parse_args()
 
     out = Path(args.out)
@@ -143,7 +154,7 @@ def main() -> None:
         args.sharding_type = args.rank1_sharding_type
     strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache, fused_optimizer="row_wise_adagrad",
                            fused_optimizer_kwargs={"lr": 0.05})
-    callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False)]
+    callbacks = [ETTMonitor() if args.ett_from_env else ETTMonitor(run_dir=out / "ett", report_on_end=False)]
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
                                          filename="step{step}", auto_insert_metric_name=False))
@@ -160,6 +171,8 @@ def main() -> None:
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer
     model.kill_at = args.kill_at
+    model.fail_at = args.fail_at
+    model.step_sleep = args.step_sleep
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
     fused = strategy.fused_optimizer_instance
     torch.save({

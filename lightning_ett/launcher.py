@@ -1,0 +1,294 @@
+"""``lightning run``: start and restart a job with PyTorch's elastic launcher, and own its clock.
+
+This is a thin layer over :mod:`torch.distributed.run` (torchrun): rendezvous, worker
+processes, restarts and signal forwarding are torchrun's. What the layer adds:
+
+* **Job identity.** The run directory, job id and job start (this launcher's own process
+  start) go into the environment, so every rank's ETT ledger counts from launch, across
+  every attempt, to the end.
+* **Attempts numbered alike on every node.** Each start of the worker group is one attempt.
+  ``TORCHELASTIC_RESTART_COUNT`` cannot number them: a node whose workers were healthy
+  restarts them without counting a restart. Every node starts its workers once per
+  rendezvous round, so counting starts agrees across nodes.
+* **Restarts that work.** By default torchrun (2.13) hands every attempt the agent's one TCP
+  store, where a restarted gloo/NCCL group reads the dead attempt's addresses and fails or
+  hangs. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a fresh store on a free
+  port instead.
+* **Why an attempt ended.** Each failure (rank, exit code or signal, last exception line of
+  its stderr) goes to ``RUN_DIR/ledger/launcher/``; worker logs are kept per attempt under
+  ``RUN_DIR/worker_logs/``.
+* **The report** (``lightning-ett report``) is printed at the end.
+
+torch exposes no parameter for the agent class, so :func:`launch` swaps
+``LocalElasticAgent`` in :mod:`torch.distributed.launcher.api` for a subclass for the
+duration of the launch, in this (the launcher's) process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_ett.environment import (
+    ENV_ATTEMPT,
+    ENV_ATTEMPT_START,
+    ENV_JOB_ID,
+    ENV_JOB_START,
+    ENV_LAUNCHER,
+    ENV_RUN_DIR,
+    process_start_time,
+    write_job_file,
+)
+from lightning_ett.ledger import LAUNCHER_DIR, LEDGER_DIR, LedgerWriter, launcher_ledger_path
+
+WORKER_LOGS = "worker_logs"
+DEFAULT_MAX_RESTARTS = 3
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """A validated ``lightning run`` command line (see :func:`lightning_ett.cli.build_parser`)."""
+
+    script: str
+    script_args: tuple[str, ...]
+    devices: int
+    num_nodes: int = 1
+    node_rank: int = 0
+    main_address: str = "127.0.0.1"
+    main_port: int | None = None
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    run_dir: Path = field(default_factory=lambda: Path("ett_runs"))
+    job_id: str = ""
+    monitor_interval: float = 0.1
+
+
+def next_attempt(run_dir: Path) -> int:
+    """The first attempt number of a new launch into ``run_dir`` (a relaunch continues the job)."""
+    root = run_dir / LEDGER_DIR
+    numbers = [int(m.group(1)) for p in root.glob("attempt-*") if (m := re.fullmatch(r"attempt-(\d+)", p.name))]
+    for record in _launcher_records(run_dir):
+        if record.get("kind") == "attempt":
+            numbers.append(int(record["attempt"]))
+    return max(numbers, default=-1) + 1
+
+
+def _launcher_records(run_dir: Path) -> list[dict[str, Any]]:
+    from lightning_ett.ledger import read_launcher_records
+
+    return read_launcher_records(run_dir)
+
+
+def failure_reason(exitcode: int, stderr_file: str | None) -> str:
+    """A one-line reason: the signal that killed the rank or its last exception line."""
+    tail = [_LOG_PREFIX.sub("", line, count=1).strip() for line in _tail(stderr_file)]
+    if exitcode < 0:
+        try:
+            reason = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            reason = f"killed by signal {-exitcode}"
+        injected = [line for line in tail if line.startswith("lightning-ett fault injection")]
+        return f"{reason} ({injected[-1]})" if injected else reason
+    for line in reversed(tail):
+        if _EXCEPTION_LINE.match(line):
+            return f"exit code {exitcode}: {line[:500]}"
+    last = next((line for line in reversed(tail) if line), None)  # e.g. sys.exit("message")
+    return f"exit code {exitcode}: {last[:500]}" if last else f"exit code {exitcode}"
+
+
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]:")  # torchrun's "[rank1]:" on teed lines
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b")
+
+
+def _mtime(path: str | None) -> float:
+    try:
+        return os.path.getmtime(path) if path else float("inf")
+    except OSError:
+        return float("inf")
+
+
+def _tail(path: str | None, max_bytes: int = 64 * 1024) -> list[str]:
+    if not path or not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(os.path.getsize(path) - max_bytes, 0))
+        return f.read().decode(errors="replace").splitlines()
+
+
+class LaunchRecorder:
+    """Numbers the attempts of this launch and writes the launcher's ledger for this node."""
+
+    def __init__(self, opts: LaunchOptions, job_start: float) -> None:
+        self.opts = opts
+        self.first_attempt = next_attempt(opts.run_dir)
+        self.attempt = self.first_attempt - 1
+        self.last_failure: str | None = None
+        self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
+        self.writer.append({
+            "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
+            "num_nodes": opts.num_nodes, "devices": opts.devices, "max_restarts": opts.max_restarts,
+            "first_attempt": self.first_attempt, "host": socket.gethostname(), "pid": os.getpid(),
+            "argv": [opts.script, *opts.script_args],
+        })
+
+    def starting_workers(self) -> None:
+        """Called before each start of the worker group: the workers inherit the attempt number."""
+        self.attempt += 1
+        now = time.time()
+        os.environ[ENV_ATTEMPT] = str(self.attempt)
+        os.environ[ENV_ATTEMPT_START] = repr(now)
+        self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
+
+    def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str]) -> None:
+        """Record each failed rank, the root cause first.
+
+        torchelastic reports every rank of a failed group at once. The root cause is the rank
+        that stopped writing to stderr first, among those the agent did not stop itself
+        (SIGTERM): a rank that crashes writes its last line when it dies, and its peers write
+        their "connection closed by peer" errors after it.
+        """
+        now = time.time()
+        exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
+        logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
+        candidates = [rank for rank, code in exitcodes.items() if code != -signal.SIGTERM] or list(exitcodes)
+        root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
+        for rank in sorted(failures, key=lambda r: (r != root, r)):
+            if rank == root:
+                reason = failure_reason(exitcodes[rank], logs[rank])
+                self.last_failure = f"rank {rank} {reason}"
+            elif exitcodes[rank] == -signal.SIGTERM:
+                reason = "stopped by the launcher after another rank failed"
+            else:
+                reason = f"failed after rank {root}: {failure_reason(exitcodes[rank], logs[rank])}"
+            self.writer.append({"kind": "failure", "attempt": self.attempt, "time": now, "rank": rank,
+                                "exitcode": exitcodes[rank], "reason": reason, "root_cause": rank == root})
+
+    def finished(self, exitcode: int, reason: str) -> None:
+        self.writer.append({"kind": "end", "time": time.time(), "exitcode": exitcode, "reason": reason,
+                            "attempts": self.attempt - self.first_attempt + 1, "node_rank": self.opts.node_rank})
+        self.writer.close()
+
+
+def _recording_agent_class(recorder: LaunchRecorder) -> type:
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class RecordingAgent(LocalElasticAgent):
+        """torchrun's agent, telling the recorder when workers start and why they failed."""
+
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            recorder.starting_workers()
+            return super()._start_workers(worker_group)
+
+        def _monitor_workers(self, worker_group: Any) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED:
+                recorder.workers_failed(result.failures, dict(getattr(self._pcontext, "stderrs", {}) or {}))
+            return result
+
+    return RecordingAgent
+
+
+@contextlib.contextmanager
+def _agent_class(cls: type) -> Iterator[None]:
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = cls
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+def torchrun_argv(opts: LaunchOptions) -> list[str]:
+    """The torchrun command line this launch amounts to (c10d rendezvous, per-attempt logs)."""
+    if opts.num_nodes == 1:
+        endpoint = f"localhost:{opts.main_port or 0}"  # what `torchrun --standalone` does
+    else:
+        endpoint = f"{opts.main_address}:{opts.main_port}"
+    return [
+        "--nnodes", str(opts.num_nodes), "--nproc-per-node", str(opts.devices),
+        "--max-restarts", str(opts.max_restarts), "--monitor-interval", str(opts.monitor_interval),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", opts.job_id,
+        # Node 0 hosts the rendezvous store; the others connect to it.
+        "--rdzv-conf", f"is_host={str(opts.node_rank == 0).lower()}",
+        "--log-dir", str(opts.run_dir / WORKER_LOGS / f"node-{opts.node_rank}"), "--tee", "3",
+        opts.script, *opts.script_args,
+    ]
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run the job to its end (restarting it up to ``max_restarts`` times); return the exit code."""
+    job_start = float(os.environ.get(ENV_JOB_START, process_start_time()))
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    write_job_file(opts.run_dir, opts.job_id, job_start)
+    os.environ.update({
+        ENV_RUN_DIR: str(opts.run_dir), ENV_JOB_ID: opts.job_id, ENV_JOB_START: repr(job_start),
+        ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    })
+    recorder = LaunchRecorder(opts, job_start)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    config, entrypoint, args = config_from_args(parse_args(torchrun_argv(opts)))
+    try:
+        with _agent_class(_recording_agent_class(recorder)):
+            elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as err:
+        attempts = recorder.attempt - recorder.first_attempt + 1
+        cause = recorder.last_failure or _root_cause(err)
+        reason = f"gave up after {attempts} attempt(s) (--max-restarts {opts.max_restarts}); last failure: {cause}"
+        recorder.finished(1, reason)
+        _print_report(opts, failed=reason)
+        return 1
+    except KeyboardInterrupt:
+        recorder.finished(130, "interrupted")
+        return 130
+    except Exception as err:  # rendezvous timeout, agent error: still a job outcome worth recording
+        recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
+        raise
+    recorder.finished(0, "finished")
+    _print_report(opts)
+    return 0
+
+
+def _root_cause(err: Any) -> str:
+    rank, failure = err.get_first_failure()
+    return f"rank {rank} exit code {failure.exitcode}"
+
+
+def _print_report(opts: LaunchOptions, failed: str | None = None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    if failed:
+        Console(stderr=True).print(f"[bold red]lightning run: {escape(failed)}[/bold red]")
+    if opts.node_rank != 0:
+        console.print(f"[dim]ETT report: node 0 prints it; or run `lightning-ett report {opts.run_dir}`.[/dim]")
+        return
+    from lightning_ett.report import REPORT_PNG, write_report
+    from lightning_ett.summary import summarize_run_dir
+
+    try:
+        summary = summarize_run_dir(opts.run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[yellow]No ETT report: {err}[/yellow]")
+        return
+    write_report(summary, opts.run_dir, console)
+    console.print(f"[dim]{opts.run_dir / REPORT_PNG}  ·  lightning-ett report {opts.run_dir}[/dim]")
+    sys.stdout.flush()
+
+
+__all__ = ["LAUNCHER_DIR", "LaunchOptions", "failure_reason", "launch", "next_attempt", "torchrun_argv"]

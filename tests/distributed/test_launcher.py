@@ -1,0 +1,107 @@
+"""`lightning run` end to end: real torchelastic agents, real gloo ranks, real SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import REPO, SCRIPTS, clean_env, run_script
+
+from lightning_ett import summarize_run_dir
+from lightning_ett.ledger import read_launcher_records, read_ledger
+from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
+
+LIGHTNING = str(Path(sys.executable).parent / "lightning")
+JOB = str(SCRIPTS / "ett_job.py")
+
+
+def lightning_run(*args: str, timeout: float = 300, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([LIGHTNING, "run", *args], env=clean_env(**env), check=False, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def ranks(out: Path) -> list[dict]:
+    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
+
+
+def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(tmp_path):
+    job = ["--max-steps", "12", "--async-every", "4", "--step-sleep", "0.1"]  # the step-4 save commits by step 6
+    (tmp_path / "full").mkdir()
+    full = run_script(JOB, "--out", str(tmp_path / "full"), *job, "--ckpt-dir", str(tmp_path / "full_ckpt"), timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    (tmp_path / "out").mkdir()
+    proc = lightning_run("--devices", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), JOB,
+                         "--out", str(tmp_path / "out"), *job, "--ckpt-dir", str(tmp_path / "ckpt"), "--ett-from-env",
+                         LIGHTNING_ETT_FAULT_KILL="1:6")  # rank 1 dies after step 6 of attempt 0; the last save was step 4
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    for a, b in zip(ranks(tmp_path / "full"), ranks(tmp_path / "out"), strict=True):
+        assert b["global_step"] == 12
+        assert a["losses"][4:] == b["losses"]  # the second attempt resumed from step 4, by itself
+        assert_equal_trees(a["model"], b["model"])
+        assert_equal_trees(a["fused"], b["fused"])
+
+    s = summarize_run_dir(tmp_path / "run")
+    assert len(s.attempts) == 2 and [a.completed for a in s.attempts] == [False, True]
+    assert s.attempts[1].first_step == 4
+    assert s.lost_s > 0  # steps 4 and 5 ran twice
+    assert "rank 1 killed by SIGKILL (lightning-ett fault injection" in s.attempts[0].failure
+    assert s.outcome == "finished"
+    assert s.phases["launch"] > 0  # launcher start-up and the restart gap count
+    assert abs(sum(s.phases.values()) - s.wall_s) < 1e-6
+    launcher = read_launcher_records(tmp_path / "run")
+    assert [r["attempt"] for r in launcher if r["kind"] == "attempt"] == [0, 1]
+    assert "ETT" in proc.stdout and "attempts" in proc.stdout  # the report, printed at the end
+    assert (tmp_path / "run" / "ett_summary.json").is_file() and (tmp_path / "run" / "ett_report.png").is_file()
+
+
+def test_two_launchers_as_two_nodes_train_the_example_together(tmp_path):
+    # One rank per "node", both on this machine, meeting at a localhost rendezvous endpoint.
+    port = str(29_000 + (hash(str(tmp_path)) % 2000))
+    common = ["--num-nodes", "2", "--devices", "1", "--main-address", "127.0.0.1", "--main-port", port,
+              "--run-dir", str(tmp_path / "run"), "--max-restarts", "0", str(REPO / "examples" / "dlrm_example.py"),
+              "fit", "--config", str(REPO / "examples" / "dlrm.yaml"), "--trainer.devices", "1", "--trainer.num_nodes", "2",
+              "--trainer.max_steps", "24", "--trainer.val_check_interval", "12", "--trainer.limit_val_batches", "2"]
+    nodes = [subprocess.Popen([LIGHTNING, "run", "--node-rank", str(r), *common], cwd=tmp_path, env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-4000:]
+    ledgers = read_ledger(tmp_path / "run")
+    assert sorted((lg.attempt, lg.rank) for lg in ledgers) == [(0, 0), (0, 1)]
+    assert all(lg.status == "finished" and lg.header["world_size"] == 2 for lg in ledgers)
+    hosts = {r["node_rank"] for r in read_launcher_records(tmp_path / "run") if r["kind"] == "launch"}
+    assert hosts == {0, 1}
+    s = summarize_run_dir(tmp_path / "run")
+    assert s.attempts[0].last_step == 23 and s.completed
+    assert "ETT" in outputs[0][0]  # node 0 prints the job's report
+
+
+def test_a_script_that_fails_on_every_attempt_stops_after_max_restarts_and_the_ledger_says_why(tmp_path):
+    (tmp_path / "out").mkdir()
+    proc = lightning_run("--devices", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), JOB,
+                         "--out", str(tmp_path / "out"), "--max-steps", "12", "--fail-at", "3", "--ett-from-env")
+    assert proc.returncode == 1
+    assert "gave up after 2 attempt(s) (--max-restarts 1)" in proc.stdout + proc.stderr
+    s = summarize_run_dir(tmp_path / "run")
+    assert [a.attempt for a in s.attempts] == [0, 1] and not any(a.completed for a in s.attempts)
+    for attempt in s.attempts:
+        assert "RuntimeError: planted bug at step 3" in attempt.failure
+    assert s.outcome.startswith("gave up after 2 attempt(s)") and "planted bug" in s.outcome
+    # The ranks said it too, in their own ledgers.
+    assert all(lg.status == "failed" and "planted bug" in lg.reason for lg in read_ledger(tmp_path / "run"))
+    assert json.loads((tmp_path / "run" / "ett_summary.json").read_text())["outcome"] == s.outcome
+
+
+def test_a_script_that_dies_before_training_still_gets_a_report(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("raise SystemExit('cannot start: no such dataset')\n")
+    proc = lightning_run("--max-restarts", "0", "--run-dir", str(tmp_path / "run"), str(script))
+    assert proc.returncode == 1
+    s = summarize_run_dir(tmp_path / "run")
+    assert s.attempts[0].failure == "rank 0 exit code 1: cannot start: no such dataset"
+    assert s.ett_percent == 0 and s.phases["launch"] == s.wall_s > 0

@@ -1,0 +1,120 @@
+"""`lightning run` / `lightning-ett run`: argument checks, failure reasons, attempt numbering, fault switch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import clean_env
+
+from lightning_ett.cli import main
+from lightning_ett.faults import KillFault, parse_kill_faults
+from lightning_ett.launcher import failure_reason, next_attempt, torchrun_argv
+from lightning_ett.ledger import LedgerWriter, launcher_ledger_path, ledger_path
+
+LIGHTNING = Path(sys.executable).parent / "lightning"
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('hello')\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "0"], "argument --devices/--nproc-per-node/--nproc_per_node: expected an integer >= 1 or 'auto'"),
+        (["--nproc-per-node", "two"], "expected an integer >= 1 or 'auto', got 'two'"),
+        (["--num-nodes", "0"], "argument --num-nodes/--num_nodes/--nnodes: expected an integer >= 1"),
+        (["--max-restarts", "-1"], "argument --max-restarts/--max_restarts: expected an integer >= 0"),
+        (["--main-port", "70000"], "argument --main-port/--main_port/--master-port: expected a TCP port 1-65535"),
+    ],
+)
+def test_bad_option_values_are_rejected_naming_the_option(argv, message, script, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *argv, str(script)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-nodes", "2", "--node-rank", "2"], "--node-rank 2 is out of range for --num-nodes 2 (expected 0..1)"),
+        (["--num-nodes", "2"], "pass the same --run-dir (on shared storage) or --job-id"),
+        (["--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
+        (["--rdzv-endpoint", "a:1", "--main-port", "2"], "disagrees with --main-address/--main-port"),
+    ],
+)
+def test_inconsistent_options_are_rejected_before_anything_starts(argv, message, script, capsys):
+    assert main(["run", *argv, str(script)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_script_and_an_unwritable_run_dir_are_clear_errors(tmp_path, script, capsys):
+    assert main(["run", str(tmp_path / "nope.py")]) == 2
+    assert f"SCRIPT {str(tmp_path / 'nope.py')!r} is not a file" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["run", "--run-dir", str(blocker / "run"), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert f"--run-dir {str(blocker / 'run')!r} is not writable" in err
+
+
+def test_the_lightning_executable_accepts_the_older_run_model_spelling(tmp_path, script):
+    # Same parser, same checks: the error names the script, so `model` was read as the subcommand's noise word.
+    proc = subprocess.run([str(LIGHTNING), "run", "model", "--devices", "1", str(tmp_path / "absent.py")],
+                          env=clean_env(), check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "absent.py' is not a file" in proc.stderr
+    proc = subprocess.run([str(LIGHTNING), "run", "--help"], env=clean_env(), check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--nproc-per-node" in proc.stdout and "--max-restarts" in proc.stdout
+
+
+def test_torchrun_aliases_and_defaults_become_one_c10d_rendezvous(tmp_path, script):
+    from lightning_ett.cli import _launch_options, build_parser
+
+    args = build_parser().parse_args(["run", "--nnodes", "2", "--node_rank", "1", "--nproc-per-node", "4",
+                                      "--rdzv-endpoint", "node0:29555", "--run-dir", str(tmp_path / "job-7"),
+                                      str(script), "--lr", "0.1"])
+    opts = _launch_options(args)
+    assert (opts.num_nodes, opts.node_rank, opts.devices, opts.main_address, opts.main_port) == (2, 1, 4, "node0", 29555)
+    assert opts.job_id == "job-7" and opts.script_args == ("--lr", "0.1")
+    argv = torchrun_argv(opts)
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "node0:29555"
+    assert argv[argv.index("--rdzv-conf") + 1] == "is_host=false"  # only node 0 hosts the store
+    assert argv[-3:] == [str(script), "--lr", "0.1"]
+
+
+def test_failure_reasons_name_the_signal_or_the_last_exception(tmp_path):
+    log = tmp_path / "stderr.log"
+    log.write_text("[rank1]:Traceback (most recent call last):\n[rank1]:  File \"x.py\", line 1\n"
+                   "[rank1]:ValueError: bad batch\n[rank1]:wandb: finished\n")
+    assert failure_reason(1, str(log)) == "exit code 1: ValueError: bad batch"
+    log.write_text("lightning-ett fault injection: SIGKILL rank 1 at step 6 of attempt 0\n")
+    assert failure_reason(-9, str(log)) == "killed by SIGKILL (lightning-ett fault injection: SIGKILL rank 1 at step 6 of attempt 0)"
+    assert failure_reason(-15, None) == "killed by SIGTERM"
+    log.write_text("cannot start: bad config\n")
+    assert failure_reason(1, str(log)) == "exit code 1: cannot start: bad config"
+
+
+def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):
+    assert next_attempt(tmp_path) == 0
+    LedgerWriter(ledger_path(tmp_path, 2, 0)).close()
+    assert next_attempt(tmp_path) == 3
+    writer = LedgerWriter(launcher_ledger_path(tmp_path, 0))
+    writer.append({"kind": "attempt", "attempt": 4, "time": 1.0})  # started, died before any rank wrote
+    writer.close()
+    assert next_attempt(tmp_path) == 5
+
+
+def test_the_fault_switch_parses_and_rejects_malformed_values():
+    assert parse_kill_faults("1:40") == (KillFault(1, 40, 0),)
+    assert parse_kill_faults("1:40, 0:90:1") == (KillFault(1, 40, 0), KillFault(0, 90, 1))
+    assert parse_kill_faults("") == ()
+    for bad in ("1", "a:b", "1:2:3:4", "-1:5"):
+        with pytest.raises(ValueError, match="LIGHTNING_ETT_FAULT_KILL=.*RANK:STEP"):
+            parse_kill_faults(bad)
