@@ -21,7 +21,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 # Starts fresh: AsyncCheckpoint would otherwise resume from the previous run's last checkpoint.
 example: install
 	rm -rf ett_runs/dlrm-example/checkpoints
-	$(PY) examples/dlrm_example.py fit --config examples/dlrm.yaml
+	$(VENV)/bin/lightning run --devices 2 examples/dlrm_example.py fit --config examples/dlrm.yaml
 
 test: install
 	$(PY) -m pytest -q tests

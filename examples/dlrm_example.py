@@ -2,6 +2,10 @@
 
 Run (2 CPU processes, W&B offline unless WANDB_API_KEY is set)::
 
+    lightning run --devices 2 examples/dlrm_example.py fit --config examples/dlrm.yaml
+
+or without the launcher (no restarts)::
+
     python examples/dlrm_example.py fit --config examples/dlrm.yaml
 
 Every ``__init__`` argument below is a LightningCLI option (``--model.embedding_dim 32``).
@@ -64,7 +68,10 @@ class DLRMModule(LightningModule):
         dense_arch_layer_sizes: list[int] = [128, 16],  # noqa: B006 - LightningCLI needs a literal default
         over_arch_layer_sizes: list[int] = [128, 64, 1],  # noqa: B006
         learning_rate: float = 0.05,
+        compile_dense: bool = False,
     ) -> None:
+        """``compile_dense`` compiles the dense parts (bottom MLP, interaction, top MLP) with
+        ``torch.compile``; the embedding tables stay eager (TorchRec shards them)."""
         super().__init__()
         if dense_arch_layer_sizes[-1] != embedding_dim:
             raise ValueError(
@@ -83,6 +90,9 @@ class DLRMModule(LightningModule):
                 dense_arch_layer_sizes=dense_arch_layer_sizes,
                 over_arch_layer_sizes=over_arch_layer_sizes,
             )
+        if compile_dense:
+            for dense_part in (self.model.dense_arch, self.model.inter_arch, self.model.over_arch):
+                dense_part.compile()
         self.loss = torch.nn.BCEWithLogitsLoss()
         self.val_auroc = torchmetrics.AUROC(task="binary")
         self.val_ne = NormalizedEntropy()

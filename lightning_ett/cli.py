@@ -108,6 +108,11 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                      "continues the job. Default: $LIGHTNING_ETT_RUN_DIR or ./ett_runs/<job id>.")
     run.add_argument("--job-id", "--job_id", "--rdzv-id", "--rdzv_id", default=None, metavar="ID",
                      help="The job's id, the same on every node (default: the run directory's).")
+    run.add_argument("--preload", dest="preload", action="store_true", default=True,
+                     help="Fork workers from a server that imported torch, Lightning and TorchRec once (default).")
+    run.add_argument("--no-preload", dest="preload", action="store_false",
+                     help="Start each worker as a fresh `python SCRIPT` instead of forking it from a server that "
+                     "imported torch, Lightning and TorchRec once per node.")
     run.add_argument("script", metavar="SCRIPT", help="The training script.")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS", help="Arguments for SCRIPT.")
     run.set_defaults(func=_run)
@@ -151,6 +156,8 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
         if (address not in (None, host)) or (port not in (None, endpoint_port)):
             raise ValueError("--rdzv-endpoint disagrees with --main-address/--main-port: pass one or the other.")
         address, port = host, endpoint_port
+    if args.num_nodes > 1 and address is None:
+        raise ValueError("with --num-nodes > 1 pass --main-address: node 0's address, reachable from every node.")
     if args.num_nodes > 1 and port is None:
         port = 29400
     run_dir = args.run_dir or os.environ.get(ENV_RUN_DIR)
@@ -168,7 +175,7 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(
         script=str(script), script_args=tuple(args.script_args), devices=args.devices, num_nodes=args.num_nodes,
         node_rank=args.node_rank, main_address=address or "127.0.0.1", main_port=port,
-        max_restarts=args.max_restarts, run_dir=path, job_id=job_id,
+        max_restarts=args.max_restarts, run_dir=path, job_id=job_id, preload=args.preload,
     )
 
 

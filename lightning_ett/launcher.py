@@ -17,6 +17,8 @@ processes, restarts and signal forwarding are torchrun's. What the layer adds:
 * **Why an attempt ended.** Each failure (rank, exit code or signal, last exception line of
   its stderr) goes to ``RUN_DIR/ledger/launcher/``; worker logs are kept per attempt under
   ``RUN_DIR/worker_logs/``.
+* **Restarts without re-imports.** Workers are forked from one pre-imported server per node
+  (:mod:`lightning_ett.worker`), unless ``preload=False`` (``--no-preload``).
 * **The report** (``lightning-ett report``) is printed at the end.
 
 torch exposes no parameter for the agent class, so :func:`launch` swaps
@@ -27,6 +29,8 @@ duration of the launch, in this (the launcher's) process only.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import re
 import signal
@@ -36,6 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from lightning_ett.environment import (
@@ -66,6 +71,7 @@ class LaunchOptions:
     main_address: str = "127.0.0.1"
     main_port: int | None = None
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    preload: bool = True
     run_dir: Path = field(default_factory=lambda: Path("ett_runs"))
     job_id: str = ""
     monitor_interval: float = 0.1
@@ -139,13 +145,14 @@ class LaunchRecorder:
             "argv": [opts.script, *opts.script_args],
         })
 
-    def starting_workers(self) -> None:
-        """Called before each start of the worker group: the workers inherit the attempt number."""
+    def starting_workers(self) -> dict[str, str]:
+        """Called before each start of the worker group: the environment of this attempt's workers."""
         self.attempt += 1
         now = time.time()
-        os.environ[ENV_ATTEMPT] = str(self.attempt)
-        os.environ[ENV_ATTEMPT_START] = repr(now)
+        env = {ENV_ATTEMPT: str(self.attempt), ENV_ATTEMPT_START: repr(now)}
+        os.environ.update(env)  # subprocess workers inherit it; forked ones get `env` as an argument
         self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
+        return env
 
     def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str]) -> None:
         """Record each failed rank, the root cause first.
@@ -185,16 +192,45 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
         """torchrun's agent, telling the recorder when workers start and why they failed."""
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
-            recorder.starting_workers()
+            env = recorder.starting_workers()
+            if recorder.opts.preload:
+                opts = recorder.opts
+                worker_group.spec.args = (opts.script, json.dumps(list(opts.script_args)), json.dumps(env))
             return super()._start_workers(worker_group)
 
         def _monitor_workers(self, worker_group: Any) -> RunResult:
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
-                recorder.workers_failed(result.failures, dict(getattr(self._pcontext, "stderrs", {}) or {}))
+                failures = dict(result.failures)
+                # Forked workers: torch reports only the first failed process; the others' exit codes
+                # are needed to tell the root cause from the ranks that died of it.
+                processes = getattr(getattr(self._pcontext, "_pc", None), "processes", [])
+                for local_rank, process in enumerate(processes):
+                    if process.exitcode not in (None, 0):
+                        failures.setdefault(worker_group.workers[local_rank].global_rank,
+                                            SimpleNamespace(local_rank=local_rank, exitcode=process.exitcode))
+                recorder.workers_failed(failures, dict(getattr(self._pcontext, "stderrs", {}) or {}))
             return result
 
     return RecordingAgent
+
+
+class _PlainTraceback(logging.Filter):
+    """Format a record's traceback with the standard formatter.
+
+    torch's log formatter imports ``torch._dynamo`` (1.4 s here) to format the first traceback
+    it sees — the agent logs one when a worker fails, so each restart would wait for it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        return True
+
+
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                  "torch.distributed.elastic.agent.server.local_elastic_agent")
 
 
 @contextlib.contextmanager
@@ -203,10 +239,15 @@ def _agent_class(cls: type) -> Iterator[None]:
 
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = cls
+    plain = _PlainTraceback()
+    for name in _AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(plain)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = original
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(plain)
 
 
 def torchrun_argv(opts: LaunchOptions) -> list[str]:
@@ -236,12 +277,30 @@ def launch(opts: LaunchOptions) -> int:
         ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     })
     recorder = LaunchRecorder(opts, job_start)
+    try:
+        return _launch(opts, recorder)
+    except BaseException as err:
+        recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
+        raise
 
+
+def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
+    if opts.preload:
+        from lightning_ett.worker import start_forkserver
+
+        start_forkserver()  # its imports overlap the launcher's own and the rendezvous
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
     config, entrypoint, args = config_from_args(parse_args(torchrun_argv(opts)))
+    if opts.preload:
+        from lightning_ett.worker import run_script
+
+        config.start_method = "forkserver"
+        entrypoint, args = run_script, [opts.script, json.dumps(list(opts.script_args)), "{}"]
     try:
         with _agent_class(_recording_agent_class(recorder)):
             elastic_launch(config, entrypoint)(*args)
@@ -252,12 +311,12 @@ def launch(opts: LaunchOptions) -> int:
         recorder.finished(1, reason)
         _print_report(opts, failed=reason)
         return 1
-    except KeyboardInterrupt:
-        recorder.finished(130, "interrupted")
-        return 130
-    except Exception as err:  # rendezvous timeout, agent error: still a job outcome worth recording
-        recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
-        raise
+    except (KeyboardInterrupt, SignalException) as err:
+        sig = getattr(err, "sigval", signal.SIGINT)
+        reason = f"stopped by {signal.Signals(sig).name}"
+        recorder.finished(128 + int(sig), reason)
+        _print_report(opts, failed=reason)
+        return 128 + int(sig)
     recorder.finished(0, "finished")
     _print_report(opts)
     return 0
@@ -283,10 +342,14 @@ def _print_report(opts: LaunchOptions, failed: str | None = None) -> None:
 
     try:
         summary = summarize_run_dir(opts.run_dir)
+        write_report(summary, opts.run_dir, console)
     except (FileNotFoundError, ValueError) as err:
-        console.print(f"[yellow]No ETT report: {err}[/yellow]")
+        console.print(f"[yellow]No ETT report: {escape(str(err))}[/yellow]")
         return
-    write_report(summary, opts.run_dir, console)
+    except Exception as err:  # noqa: BLE001 - the job's outcome stands; the report can be made again
+        console.print(f"[yellow]Could not write the ETT report ({escape(repr(err))}); "
+                      f"try `lightning-ett report {opts.run_dir}`.[/yellow]")
+        return
     console.print(f"[dim]{opts.run_dir / REPORT_PNG}  ·  lightning-ett report {opts.run_dir}[/dim]")
     sys.stdout.flush()
 

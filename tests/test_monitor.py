@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -105,3 +106,22 @@ def test_monitor_pickles_for_spawn_based_launchers(tmp_path):
     monitor = ETTMonitor(run_dir=tmp_path)
     clone = pickle.loads(pickle.dumps(monitor))
     assert clone.run_dir == monitor.run_dir and clone.state_dict() == monitor.state_dict()
+
+
+class CompiledBoring(BoringModel):
+    """The user's own torch.compile, no lightning-ett compile callback in sight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.compile(self.layer, backend="eager")
+
+
+def test_a_users_own_torch_compile_is_counted_as_compile_not_train(tmp_path):
+    trainer = Trainer(max_steps=3, callbacks=[ETTMonitor(run_dir=tmp_path / "run", report_on_end=False)], logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0, accelerator="cpu")
+    trainer.fit(CompiledBoring())
+    (ledger,) = read_ledger(tmp_path / "run")
+    compiles = [e for e in ledger.events if e["phase"] == "compile"]
+    first_step = next(e for e in ledger.events if e["phase"] == "train")
+    assert compiles and first_step["start"] <= compiles[0]["start"] <= compiles[0]["end"] <= first_step["end"]
+    assert summarize_run_dir(tmp_path / "run").phases["compile"] > 0

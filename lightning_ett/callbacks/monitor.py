@@ -17,7 +17,15 @@ from typing_extensions import override
 
 from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.callbacks.patching import shadow_method
-from lightning_ett.environment import ENV_LAUNCHER, JobContext, import_time, resolve_job_context, write_job_file
+from lightning_ett.compile_events import compile_tracker
+from lightning_ett.environment import (
+    ENV_LAUNCHER,
+    ENV_RUN_DIR,
+    JobContext,
+    import_time,
+    resolve_job_context,
+    write_job_file,
+)
 from lightning_ett.faults import faults_from_env, maybe_kill
 from lightning_ett.ledger import read_ledger
 from lightning_ett.summary import Summary, summarize, summarize_run_dir
@@ -34,6 +42,8 @@ class ETTMonitor(Callback):
     * ``process_group_init``: callback built → ``setup`` (Trainer init, launcher, process group).
     * ``model_init``: ``setup`` → ``on_fit_start`` (``configure_model``, strategy setup).
     * ``data_init``: ``on_fit_start`` → first batch (loop restore, data-loader start-up).
+    * ``compile``: every ``torch.compile`` compilation in the process, whoever asked for it
+      (Dynamo's compile callbacks), so a first step that compiles is not counted as training.
     * ``train``: each training-step interval, data fetch included; ``eval`` (validation,
       sanity check, test) and ``checkpoint_save`` / ``checkpoint_load`` (timed around
       ``trainer.save_checkpoint`` and ``strategy.load_checkpoint``) nested inside it are not.
@@ -60,6 +70,12 @@ class ETTMonitor(Callback):
         self.report_on_end = report_on_end
         # Resolved now, not at setup: Lightning spawns the other ranks before `setup`, and
         # they must inherit this job's id, start and attempt through the environment.
+        launched_into = os.environ.get(ENV_RUN_DIR) if ENV_LAUNCHER in os.environ else None
+        if launched_into and run_dir is not None and Path(run_dir).expanduser().absolute() != Path(launched_into):
+            rank_zero_warn(
+                f"ETTMonitor(run_dir={str(run_dir)!r}) differs from the run directory `lightning run` gave this job "
+                f"({launched_into!r}): the job's report will not see this ledger. Leave `run_dir` unset under `lightning run`."
+            )
         self.context: JobContext = resolve_job_context(run_dir)
         self._faults = faults_from_env()  # the documented fault-injection switch (lightning_ett.faults)
         self._mark = time.time()
@@ -103,6 +119,7 @@ class ETTMonitor(Callback):
             self._timeline.record(Phase.PROCESS_GROUP_INIT, self._mark, now)
             self._started = True
         self._mark = now
+        compile_tracker()  # compilations become `compile` events, nested in the step that triggered them
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
 

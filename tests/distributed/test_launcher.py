@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import REPO, SCRIPTS, clean_env, run_script
 
@@ -61,7 +65,9 @@ def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(
 
 def test_two_launchers_as_two_nodes_train_the_example_together(tmp_path):
     # One rank per "node", both on this machine, meeting at a localhost rendezvous endpoint.
-    port = str(29_000 + (hash(str(tmp_path)) % 2000))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     common = ["--num-nodes", "2", "--devices", "1", "--main-address", "127.0.0.1", "--main-port", port,
               "--run-dir", str(tmp_path / "run"), "--max-restarts", "0", str(REPO / "examples" / "dlrm_example.py"),
               "fit", "--config", str(REPO / "examples" / "dlrm.yaml"), "--trainer.devices", "1", "--trainer.num_nodes", "2",
@@ -81,9 +87,11 @@ def test_two_launchers_as_two_nodes_train_the_example_together(tmp_path):
     assert "ETT" in outputs[0][0]  # node 0 prints the job's report
 
 
-def test_a_script_that_fails_on_every_attempt_stops_after_max_restarts_and_the_ledger_says_why(tmp_path):
+@pytest.mark.parametrize("start", ["--preload", "--no-preload"])
+def test_a_script_that_fails_on_every_attempt_stops_after_max_restarts_and_the_ledger_says_why(tmp_path, start):
     (tmp_path / "out").mkdir()
-    proc = lightning_run("--devices", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), JOB,
+    flags = [start] if start == "--no-preload" else []
+    proc = lightning_run(*flags, "--devices", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), JOB,
                          "--out", str(tmp_path / "out"), "--max-steps", "12", "--fail-at", "3", "--ett-from-env")
     assert proc.returncode == 1
     assert "gave up after 2 attempt(s) (--max-restarts 1)" in proc.stdout + proc.stderr
@@ -105,3 +113,76 @@ def test_a_script_that_dies_before_training_still_gets_a_report(tmp_path):
     s = summarize_run_dir(tmp_path / "run")
     assert s.attempts[0].failure == "rank 0 exit code 1: cannot start: no such dataset"
     assert s.ett_percent == 0 and s.phases["launch"] == s.wall_s > 0
+
+
+SCRIPT_FACTS = """
+import atexit, json, os, sys, threading, time
+preloaded = "torch" in sys.modules  # forked from the preloading forkserver, or a fresh python
+out = sys.argv[1]
+def at_exit():
+    with open(os.path.join(out, "atexit.txt"), "w") as f:
+        f.write("ran")
+atexit.register(at_exit)
+def late():
+    time.sleep(0.5)
+    open(os.path.join(out, "thread.txt"), "w").write("joined")
+threading.Thread(target=late).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # never shut down: the interpreter stops it at exit, and so must the worker
+pool.submit(time.sleep, 0.1)
+import helper_next_to_script
+import torch
+facts = {"name": __name__, "argv": sys.argv, "attempt": os.environ["LIGHTNING_ETT_ATTEMPT"],
+         "helper": helper_next_to_script.VALUE, "threads": [os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()],
+         "preloaded": preloaded}
+open(os.path.join(out, f"facts{os.environ['RANK']}.json"), "w").write(json.dumps(facts))
+if __name__ == "__main__":
+    sys.exit(None if sys.argv[2] == "none" else int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("start", ["--preload", "--no-preload"])
+def test_a_worker_runs_the_script_as_python_would(tmp_path, start):
+    (tmp_path / "job").mkdir()
+    script = tmp_path / "job" / "train.py"
+    script.write_text(SCRIPT_FACTS)
+    (tmp_path / "job" / "helper_next_to_script.py").write_text("VALUE = 42\n")
+    flags = [start] if start == "--no-preload" else []
+    proc = lightning_run(*flags, "--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"), str(script),
+                         str(tmp_path), "0", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        facts = json.loads((tmp_path / f"facts{rank}.json").read_text())
+        # torchrun's OMP_NUM_THREADS=1 for 2 processes on a node holds in forked workers too.
+        assert facts == {"name": "__main__", "argv": [str(script), str(tmp_path), "0"], "attempt": "0", "helper": 42,
+                         "threads": ["1", 1], "preloaded": start == "--preload"}
+    assert (tmp_path / "atexit.txt").read_text() == "ran"  # exit handlers ran
+    assert (tmp_path / "thread.txt").read_text() == "joined"  # and non-daemon threads finished first
+    bare_exit = lightning_run(*flags, "--max-restarts", "0", "--run-dir", str(tmp_path / "run1"), str(script),
+                              str(tmp_path), "none", timeout=120)
+    assert bare_exit.returncode == 0, bare_exit.stderr[-3000:]  # sys.exit() is a normal end, not a hang
+    failed = lightning_run(*flags, "--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run2"), str(script),
+                           str(tmp_path), "3")
+    assert failed.returncode == 1  # the job failed: the workers' own exit codes are in the ledger
+    failures = [r for r in read_launcher_records(tmp_path / "run2") if r["kind"] == "failure"]
+    (root,) = [r for r in failures if r["root_cause"]]
+    assert root["exitcode"] == 3 and root["reason"].startswith("exit code 3"), failures
+    assert {r["exitcode"] for r in failures} <= {3, -signal.SIGTERM}, failures  # the peer exited too, or was stopped
+
+
+def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path):
+    (tmp_path / "out").mkdir()
+    proc = subprocess.Popen([LIGHTNING, "run", "--devices", "2", "--run-dir", str(tmp_path / "run"), JOB, "--out",
+                             str(tmp_path / "out"), "--max-steps", "100000", "--step-sleep", "0.05", "--ett-from-env"],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list((tmp_path / "run" / "ledger").glob("attempt-0000/rank-*.jsonl")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # training
+    proc.send_signal(signal.SIGTERM)  # what a scheduler sends before it takes the node
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    (end,) = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
+    assert end["reason"] == "stopped by SIGTERM"
+    assert summarize_run_dir(tmp_path / "run").outcome == "stopped by SIGTERM"
+    assert "stopped by SIGTERM" in err

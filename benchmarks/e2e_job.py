@@ -1,0 +1,59 @@
+"""One attempt of the reference job for e2e_ett.py: the example DLRM on 2 CPU ranks, either arm.
+
+* ``--arm pack``: ETTStrategy (table-wise, fused row-wise Adagrad, plan cache), ETTMonitor,
+  AsyncCheckpoint every K steps (resumes by itself), CompileCache, DynamicShapes. Started by
+  ``lightning run``, which restarts it.
+* ``--arm vanilla``: stock Lightning: DDP, synchronous ``ModelCheckpoint`` every K steps
+  (``save_last``), ``--resume`` restarts from ``last.ckpt``; ETTMonitor only measures.
+
+Both compile the dense parts of the model (``DLRMModule(compile_dense=True)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arm", choices=["pack", "vanilla"], required=True)
+    p.add_argument("--work", required=True, help="checkpoints, caches and the run dir live here")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--every", type=int, default=100)
+    p.add_argument("--num-embeddings", type=int, default=20_000)
+    p.add_argument("--compile-cache", default=None, help="pack: CompileCache directory (default WORK/compile_cache)")
+    p.add_argument("--resume", action="store_true", help="vanilla: restart from last.ckpt")
+    args = p.parse_args()
+    work = Path(args.work)
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
+    from lightning_ett import AsyncCheckpoint, CompileCache, DynamicShapes, ETTMonitor, ETTStrategy
+
+    if args.arm == "pack":
+        strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad",
+                               fused_optimizer_kwargs={"lr": 0.05}, plan_cache_dir=str(work / "plan_cache"))
+        callbacks = [ETTMonitor(report_on_end=False),
+                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=2),
+                     CompileCache(args.compile_cache or work / "compile_cache"), DynamicShapes()]
+    else:
+        strategy = "ddp"
+        callbacks = [ETTMonitor(run_dir=work / "run", report_on_end=False),
+                     ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=args.every, save_last=True)]
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+                      callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      num_sanity_val_steps=0)
+    model = DLRMModule(num_embeddings=args.num_embeddings, compile_dense=True)
+    data = RandomCriteoDataModule(batch_size=512, num_embeddings=args.num_embeddings)
+    ckpt_path = "last" if args.resume and (work / "ckpt" / "last.ckpt").exists() else None
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+
+
+if __name__ == "__main__":
+    main()
