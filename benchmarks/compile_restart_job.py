@@ -21,13 +21,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--monitor", action="store_true", help="add ETTMonitor (ledger, fault injection) for lightning run")
     args = p.parse_args()
     started = process_start_time()
 
     from lightning.pytorch import Callback, Trainer
 
     from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
-    from lightning_ett import CompileCache
+    from lightning_ett import CompileCache, ETTMonitor
     from lightning_ett.compile_events import compile_tracker
 
     class FirstStep(Callback):
@@ -39,7 +40,7 @@ def main() -> None:
     first, cache = FirstStep(), CompileCache(args.cache_dir, compile_module=True)
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                      callbacks=[first, cache])
+                      callbacks=[first, cache] + ([ETTMonitor(report_on_end=False)] if args.monitor else []))
     trainer.fit(DLRMModule(), RandomCriteoDataModule(batch_size=512))
     Path(args.out).write_text(json.dumps({"first_step_s": first.at - started, "compile_s": compile_tracker().seconds,
                                           **cache.metrics(), "loaded": cache.loaded}))

@@ -251,7 +251,7 @@ def _agent_class(cls: type) -> Iterator[None]:
 
 
 def torchrun_argv(opts: LaunchOptions) -> list[str]:
-    """The torchrun command line this launch amounts to (c10d rendezvous, per-attempt logs)."""
+    """The torchrun command line this launch amounts to (c10d rendezvous, per-attempt logs), script arguments aside."""
     if opts.num_nodes == 1:
         endpoint = f"localhost:{opts.main_port or 0}"  # what `torchrun --standalone` does
     else:
@@ -263,7 +263,7 @@ def torchrun_argv(opts: LaunchOptions) -> list[str]:
         # Node 0 hosts the rendezvous store; the others connect to it.
         "--rdzv-conf", f"is_host={str(opts.node_rank == 0).lower()}",
         "--log-dir", str(opts.run_dir / WORKER_LOGS / f"node-{opts.node_rank}"), "--tee", "3",
-        opts.script, *opts.script_args,
+        opts.script,  # its arguments are appended after parsing: torchrun's parser would take `--monitor` for its own
     ]
 
 
@@ -296,6 +296,7 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
     from torch.distributed.run import config_from_args, parse_args
 
     config, entrypoint, args = config_from_args(parse_args(torchrun_argv(opts)))
+    args = [*args, *opts.script_args]
     if opts.preload:
         from lightning_ett.worker import run_script
 

@@ -87,7 +87,7 @@ def test_torchrun_aliases_and_defaults_become_one_c10d_rendezvous(tmp_path, scri
     argv = torchrun_argv(opts)
     assert argv[argv.index("--rdzv-endpoint") + 1] == "node0:29555"
     assert argv[argv.index("--rdzv-conf") + 1] == "is_host=false"  # only node 0 hosts the store
-    assert argv[-3:] == [str(script), "--lr", "0.1"]
+    assert argv[-1] == str(script)  # the script's own arguments never meet torchrun's parser
 
 
 def test_failure_reasons_name_the_signal_or_the_last_exception(tmp_path):

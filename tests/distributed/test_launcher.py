@@ -119,6 +119,7 @@ SCRIPT_FACTS = """
 import atexit, json, os, sys, threading, time
 preloaded = "torch" in sys.modules  # forked from the preloading forkserver, or a fresh python
 out = sys.argv[1]
+assert sys.argv[3:] == ["--monitor", "--nnodes", "7"], sys.argv  # for the script, not for torchrun
 def at_exit():
     with open(os.path.join(out, "atexit.txt"), "w") as f:
         f.write("ran")
@@ -149,20 +150,20 @@ def test_a_worker_runs_the_script_as_python_would(tmp_path, start):
     (tmp_path / "job" / "helper_next_to_script.py").write_text("VALUE = 42\n")
     flags = [start] if start == "--no-preload" else []
     proc = lightning_run(*flags, "--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"), str(script),
-                         str(tmp_path), "0", timeout=120)
+                         str(tmp_path), "0", "--monitor", "--nnodes", "7", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         facts = json.loads((tmp_path / f"facts{rank}.json").read_text())
         # torchrun's OMP_NUM_THREADS=1 for 2 processes on a node holds in forked workers too.
-        assert facts == {"name": "__main__", "argv": [str(script), str(tmp_path), "0"], "attempt": "0", "helper": 42,
+        assert facts == {"name": "__main__", "argv": [str(script), str(tmp_path), "0", "--monitor", "--nnodes", "7"], "attempt": "0", "helper": 42,
                          "threads": ["1", 1], "preloaded": start == "--preload"}
     assert (tmp_path / "atexit.txt").read_text() == "ran"  # exit handlers ran
     assert (tmp_path / "thread.txt").read_text() == "joined"  # and non-daemon threads finished first
     bare_exit = lightning_run(*flags, "--max-restarts", "0", "--run-dir", str(tmp_path / "run1"), str(script),
-                              str(tmp_path), "none", timeout=120)
+                              str(tmp_path), "none", "--monitor", "--nnodes", "7", timeout=120)
     assert bare_exit.returncode == 0, bare_exit.stderr[-3000:]  # sys.exit() is a normal end, not a hang
     failed = lightning_run(*flags, "--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run2"), str(script),
-                           str(tmp_path), "3")
+                           str(tmp_path), "3", "--monitor", "--nnodes", "7")
     assert failed.returncode == 1  # the job failed: the workers' own exit codes are in the ledger
     failures = [r for r in read_launcher_records(tmp_path / "run2") if r["kind"] == "failure"]
     (root,) = [r for r in failures if r["root_cause"]]
