@@ -53,7 +53,7 @@ from lightning_ett.environment import (
     process_start_time,
     write_job_file,
 )
-from lightning_ett.ledger import LAUNCHER_DIR, LEDGER_DIR, LedgerWriter, launcher_ledger_path
+from lightning_ett.ledger import LEDGER_DIR, LedgerWriter, launcher_ledger_path, read_launcher_records
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -81,16 +81,10 @@ def next_attempt(run_dir: Path) -> int:
     """The first attempt number of a new launch into ``run_dir`` (a relaunch continues the job)."""
     root = run_dir / LEDGER_DIR
     numbers = [int(m.group(1)) for p in root.glob("attempt-*") if (m := re.fullmatch(r"attempt-(\d+)", p.name))]
-    for record in _launcher_records(run_dir):
+    for record in read_launcher_records(run_dir):
         if record.get("kind") == "attempt":
             numbers.append(int(record["attempt"]))
     return max(numbers, default=-1) + 1
-
-
-def _launcher_records(run_dir: Path) -> list[dict[str, Any]]:
-    from lightning_ett.ledger import read_launcher_records
-
-    return read_launcher_records(run_dir)
 
 
 def failure_reason(exitcode: int, stderr_file: str | None) -> str:
@@ -355,4 +349,4 @@ def _print_report(opts: LaunchOptions, failed: str | None = None) -> None:
     sys.stdout.flush()
 
 
-__all__ = ["LAUNCHER_DIR", "LaunchOptions", "failure_reason", "launch", "next_attempt", "torchrun_argv"]
+__all__ = ["LaunchOptions", "failure_reason", "launch", "next_attempt", "torchrun_argv"]

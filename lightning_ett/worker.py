@@ -66,7 +66,7 @@ def run_script(script: str, script_args_json: str, env_json: str) -> None:
             raise
         print(stop.code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it
         raise SystemExit(1) from None
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any uncaught error ends the script, as in `python SCRIPT`
         # Printed here, while stderr still goes to this rank's log (multiprocessing would print
         # it after the redirect ends); then exit 1, as `python SCRIPT` does.
         traceback.print_exc()

@@ -6,8 +6,8 @@ import json
 import signal
 import socket
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,7 +181,7 @@ def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path
         time.sleep(0.2)
     time.sleep(3)  # training
     proc.send_signal(signal.SIGTERM)  # what a scheduler sends before it takes the node
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     (end,) = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
     assert end["reason"] == "stopped by SIGTERM"
