@@ -6,7 +6,8 @@ The reference job (benchmarks/e2e_job.py): the example TorchRec DLRM (26 tables 
 on 2 CPU ranks (gloo), batch 512, ``--steps`` optimizer steps, a checkpoint every ``--every``
 steps, the dense parts compiled with torch.compile. Rank 1 is SIGKILLed after step
 ``--kill-at`` of the first attempt (``LIGHTNING_ETT_FAULT_KILL``) and the job is restarted once.
-Every attempt starts with an empty default inductor directory: a restart on another host.
+Every attempt starts with an empty default inductor directory: a restart on another host
+(the pack's CompileCache directory stands for shared storage and carries over).
 
 * **vanilla**: stock Lightning (DDP, synchronous ``ModelCheckpoint(save_last=True)``), cold
   compile on every attempt, restarted at once by this script from ``last.ckpt`` (torchrun cannot

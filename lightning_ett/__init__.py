@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_ett.environment import mark_imported
-
 if TYPE_CHECKING:
     from lightning_ett.callbacks import AsyncCheckpoint, CheckpointWriteError, CompileCache, DynamicShapes, ETTMonitor
     from lightning_ett.strategies import ETTStrategy
@@ -36,10 +34,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
-        raise AttributeError(f"module 'lightning_ett' has no attribute {name!r}")
+        try:  # a submodule, as `lightning_ett.summary` after a bare `import lightning_ett`
+            return importlib.import_module(f"lightning_ett.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'lightning_ett' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), name)
-    if module in ("lightning_ett.callbacks", "lightning_ett.strategies"):
-        mark_imported()  # the ``import`` phase ends once Lightning and torch are in
     globals()[name] = value
     return value
 

@@ -38,6 +38,15 @@ def mark_imported() -> None:
         _imported_at = time.time()
 
 
+def _forget_import_mark() -> None:
+    global _imported_at
+    _imported_at = None
+
+
+# A worker forked from `lightning run`'s preloading server has its own `import` phase.
+os.register_at_fork(after_in_child=_forget_import_mark)
+
+
 def import_time() -> float:
     """End of the ``import`` phase: when ``lightning_ett`` finished importing."""
     return _imported_at if _imported_at is not None else time.time()
@@ -95,7 +104,7 @@ def write_job_file(run_dir: Path, job_id: str, job_start: float) -> None:
     path = run_dir / JOB_FILE
     if path.exists():
         return
-    tmp = path.with_name(f".{JOB_FILE}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{JOB_FILE}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")  # nodes may share a pid (containers)
     tmp.write_text(json.dumps({"job_id": job_id, "job_start": job_start}))
     os.replace(tmp, path)
 

@@ -148,24 +148,27 @@ class LaunchRecorder:
         self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
         return env
 
-    def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str]) -> None:
+    def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
+                       suspects: set[int] | None = None) -> None:
         """Record each failed rank, the root cause first.
 
-        torchelastic reports every rank of a failed group at once. The root cause is the rank
-        that stopped writing to stderr first, among those the agent did not stop itself
-        (SIGTERM): a rank that crashes writes its last line when it dies, and its peers write
-        their "connection closed by peer" errors after it.
+        torchelastic reports every rank of a failed group at once, after it stopped the
+        survivors. Suspects are the ranks that had exited before it did (and the one torch names);
+        among them, the root cause is the rank that stopped writing to stderr first: a rank that
+        crashes writes its last line when it dies, and its peers write their "connection closed
+        by peer" errors after it.
         """
         now = time.time()
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
         logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
-        candidates = [rank for rank, code in exitcodes.items() if code != -signal.SIGTERM] or list(exitcodes)
+        pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
+        candidates = [rank for rank in pool if exitcodes[rank] != -signal.SIGTERM] or pool
         root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
         for rank in sorted(failures, key=lambda r: (r != root, r)):
             if rank == root:
                 reason = failure_reason(exitcodes[rank], logs[rank])
                 self.last_failure = f"rank {rank} {reason}"
-            elif exitcodes[rank] == -signal.SIGTERM:
+            elif exitcodes[rank] == -signal.SIGTERM or (suspects is not None and rank not in suspects):
                 reason = "stopped by the launcher after another rank failed"
             else:
                 reason = f"failed after rank {root}: {failure_reason(exitcodes[rank], logs[rank])}"
@@ -176,6 +179,15 @@ class LaunchRecorder:
         self.writer.append({"kind": "end", "time": time.time(), "exitcode": exitcode, "reason": reason,
                             "attempts": self.attempt - self.first_attempt + 1, "node_rank": self.opts.node_rank})
         self.writer.close()
+
+
+def _exited_local_ranks(pcontext: Any) -> set[int]:
+    """Local ranks whose process has already exited (forked workers or subprocesses)."""
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if processes is not None:
+        return {lr for lr, process in enumerate(processes) if process.exitcode is not None}
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    return {lr for lr, handler in handlers.items() if handler.proc.poll() is not None}
 
 
 def _recording_agent_class(recorder: LaunchRecorder) -> type:
@@ -193,9 +205,11 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
             return super()._start_workers(worker_group)
 
         def _monitor_workers(self, worker_group: Any) -> RunResult:
+            exited = _exited_local_ranks(self._pcontext)  # before torch stops the rest of the group
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
                 failures = dict(result.failures)
+                suspects = set(failures) | {worker_group.workers[lr].global_rank for lr in exited}
                 # Forked workers: torch reports only the first failed process; the others' exit codes
                 # are needed to tell the root cause from the ranks that died of it.
                 processes = getattr(getattr(self._pcontext, "_pc", None), "processes", [])
@@ -203,7 +217,7 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
                     if process.exitcode not in (None, 0):
                         failures.setdefault(worker_group.workers[local_rank].global_rank,
                                             SimpleNamespace(local_rank=local_rank, exitcode=process.exitcode))
-                recorder.workers_failed(failures, dict(getattr(self._pcontext, "stderrs", {}) or {}))
+                recorder.workers_failed(failures, dict(getattr(self._pcontext, "stderrs", {}) or {}), suspects)
             return result
 
     return RecordingAgent

@@ -41,6 +41,7 @@ def start_forkserver() -> None:
     # `torch.cuda.is_available()` (fbgemm_gpu calls it at import) would initialize the CUDA
     # driver in the forkserver, and a forked child could not use CUDA; NVML answers instead.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # as torchrun's `python -u`: output reaches the logs at once
     multiprocessing.set_forkserver_preload(["lightning_ett.preload"])
     forkserver.ensure_running()
 

@@ -119,3 +119,28 @@ def test_the_fault_switch_parses_and_rejects_malformed_values():
     for bad in ("1", "a:b", "1:2:3:4", "-1:5"):
         with pytest.raises(ValueError, match="LIGHTNING_ETT_FAULT_KILL=.*RANK:STEP"):
             parse_kill_faults(bad)
+
+
+def test_the_root_cause_is_the_rank_that_died_first_not_the_peers_it_took_down(tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    from lightning_ett.launcher import LaunchOptions, LaunchRecorder
+    from lightning_ett.ledger import read_launcher_records
+
+    logs = {}
+    for local_rank, (text, age) in enumerate([("quiet since start-up\n", 60), ("RuntimeError: bad batch\n", 5),
+                                               ("RuntimeError: Connection closed by peer\n", 1)]):
+        logs[local_rank] = str(tmp_path / f"stderr{local_rank}.log")
+        (tmp_path / f"stderr{local_rank}.log").write_text(text)
+        os.utime(logs[local_rank], (1e9 - age, 1e9 - age))
+    recorder = LaunchRecorder(LaunchOptions(script="x.py", script_args=(), devices=3, run_dir=tmp_path / "run"), 0.0)
+    recorder.starting_workers()
+    failures = {r: SimpleNamespace(local_rank=r, exitcode=code) for r, code in [(0, -9), (1, 1), (2, 1)]}
+    # Rank 0 was stuck in a collective and killed by the agent after its grace period: not a suspect.
+    recorder.workers_failed(failures, logs, suspects={1, 2})
+    records = {r["rank"]: r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "failure"}
+    assert records[1]["root_cause"] and records[1]["reason"] == "exit code 1: RuntimeError: bad batch"
+    assert records[2]["reason"] == "failed after rank 1: exit code 1: RuntimeError: Connection closed by peer"
+    assert records[0]["reason"] == "stopped by the launcher after another rank failed"
+    assert recorder.last_failure == "rank 1 exit code 1: RuntimeError: bad batch"
