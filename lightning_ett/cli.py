@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,14 +38,25 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
-    return number
+def _int_parser(low: int, high: int, expected: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``[low, high]``; the error says what was ``expected``."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return number
+
+    return parse
+
+
+_positive_int = _int_parser(1, sys.maxsize, "an integer >= 1")
+_non_negative_int = _int_parser(0, sys.maxsize, "an integer >= 0")
+_port = _int_parser(1, 65535, "a TCP port 1-65535")
+_device_count = _int_parser(1, sys.maxsize, "an integer >= 1 or 'auto'")
 
 
 def _devices(value: str) -> int:
@@ -54,30 +65,7 @@ def _devices(value: str) -> int:
         import torch
 
         return torch.cuda.device_count() or 1
-    try:
-        return _positive_int(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {value!r}") from None
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return number
-
-
-def _port(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if not 0 < number < 65536:
-        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {value!r}")
-    return number
+    return _device_count(value)
 
 
 def _add_run_parser(sub: argparse._SubParsersAction) -> None:

@@ -53,7 +53,7 @@ from lightning_ett.environment import (
     process_start_time,
     write_job_file,
 )
-from lightning_ett.ledger import LEDGER_DIR, LedgerWriter, launcher_ledger_path, read_launcher_records
+from lightning_ett.ledger import LedgerWriter, launcher_ledger_path, read_launcher_records, recorded_attempts
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -79,8 +79,7 @@ class LaunchOptions:
 
 def next_attempt(run_dir: Path) -> int:
     """The first attempt number of a new launch into ``run_dir`` (a relaunch continues the job)."""
-    root = run_dir / LEDGER_DIR
-    numbers = [int(m.group(1)) for p in root.glob("attempt-*") if (m := re.fullmatch(r"attempt-(\d+)", p.name))]
+    numbers = recorded_attempts(run_dir)
     for record in read_launcher_records(run_dir):
         if record.get("kind") == "attempt":
             numbers.append(int(record["attempt"]))
@@ -181,6 +180,11 @@ class LaunchRecorder:
         self.writer.close()
 
 
+def _forked_worker_args(opts: LaunchOptions, env: dict[str, str]) -> tuple[str, str, str]:
+    """The arguments of :func:`lightning_ett.worker.run_script` (strings: torch substitutes macros in them)."""
+    return opts.script, json.dumps(list(opts.script_args)), json.dumps(env)
+
+
 def _exited_local_ranks(pcontext: Any) -> set[int]:
     """Local ranks whose process has already exited (forked workers or subprocesses)."""
     processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
@@ -201,7 +205,7 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
             env = recorder.starting_workers()
             if recorder.opts.preload:
                 opts = recorder.opts
-                worker_group.spec.args = (opts.script, json.dumps(list(opts.script_args)), json.dumps(env))
+                worker_group.spec.args = _forked_worker_args(opts, env)
             return super()._start_workers(worker_group)
 
         def _monitor_workers(self, worker_group: Any) -> RunResult:
@@ -309,7 +313,7 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
         from lightning_ett.worker import run_script
 
         config.start_method = "forkserver"
-        entrypoint, args = run_script, [opts.script, json.dumps(list(opts.script_args)), "{}"]
+        entrypoint, args = run_script, list(_forked_worker_args(opts, {}))  # the env is set per attempt
     try:
         with _agent_class(_recording_agent_class(recorder)):
             elastic_launch(config, entrypoint)(*args)

@@ -39,6 +39,12 @@ def read_launcher_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r.get("time", 0.0))
 
 
+def recorded_attempts(run_dir: str | os.PathLike) -> list[int]:
+    """Numbers of the attempts that have a directory in the ledger (any rank)."""
+    found = (re.fullmatch(r"attempt-(\d+)", p.name) for p in (Path(run_dir) / LEDGER_DIR).glob("attempt-*"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
 def rank_ledger_files(run_dir: Path, rank: int) -> list[Path]:
     return sorted((Path(run_dir) / LEDGER_DIR).glob(f"attempt-*/rank-{rank:05d}.jsonl"))
 
