@@ -26,9 +26,7 @@ attempts). Prints ETT%, the phase breakdown of each, and overhead ÷ vanilla ove
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,22 +34,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from benchmarks.reference_job import JOB, env, run, run_pack
 from lightning_ett.ledger import LedgerWriter, launcher_ledger_path
-
-JOB = str(HERE / "e2e_job.py")
-BIN = Path(sys.executable).parent
-
-
-def env(inductor_dir: Path, **extra: str) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
-    e.update(PYTHONPATH=str(HERE.parent), WANDB_MODE="offline", TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), **extra)
-    return e
-
-
-def run(cmd: list[str], environ: dict[str, str], expect_ok: bool = True) -> None:
-    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=3600, check=False)
-    if expect_ok and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def vanilla(work: Path, job: list[str], kill: str) -> Path:
@@ -69,10 +53,7 @@ def vanilla(work: Path, job: list[str], kill: str) -> Path:
 
 
 def pack(work: Path, job: list[str], kill: str, compile_cache: Path) -> Path:
-    cmd = [str(BIN / "lightning"), "run", "--devices", "2", "--max-restarts", "1", "--run-dir", str(work / "run"),
-           JOB, "--arm", "pack", "--work", str(work), "--compile-cache", str(compile_cache), *job]
-    run(cmd, env(work / "inductor", LIGHTNING_ETT_FAULT_KILL=kill))
-    return work / "run"
+    return run_pack(work, job, compile_cache, max_restarts=1, LIGHTNING_ETT_FAULT_KILL=kill)
 
 
 def main() -> None:

@@ -23,7 +23,10 @@ def main() -> None:
     p.add_argument("--arm", choices=["pack", "vanilla"], required=True)
     p.add_argument("--work", required=True, help="checkpoints, caches and the run dir live here")
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--every", type=int, default=100)
+    p.add_argument("--every", type=lambda v: v if v == "auto" else int(v), default=100,
+                   help="checkpoint interval in steps; pack: or 'auto' (Young/Daly, cadence.py)")
+    p.add_argument("--mtbf-hours", type=float, default=None, help="pack, --every auto: the MTBF (default: from the ledger)")
+    p.add_argument("--publish", action="store_true", help="pack: add ModelPublisher(WORK/serving, submodule='model')")
     p.add_argument("--num-embeddings", type=int, default=20_000)
     p.add_argument("--compile-cache", default=None, help="pack: CompileCache directory (default WORK/compile_cache)")
     p.add_argument("--resume", action="store_true", help="vanilla: restart from last.ckpt")
@@ -34,14 +37,17 @@ def main() -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
-    from lightning_ett import AsyncCheckpoint, CompileCache, DynamicShapes, ETTMonitor, ETTStrategy
+    from lightning_ett import AsyncCheckpoint, CompileCache, DynamicShapes, ETTMonitor, ETTStrategy, ModelPublisher
 
     if args.arm == "pack":
         strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad",
                                fused_optimizer_kwargs={"lr": 0.05}, plan_cache_dir=str(work / "plan_cache"))
         callbacks = [ETTMonitor(report_on_end=False),
-                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=2),
+                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=2,
+                                     **({"mtbf_hours": args.mtbf_hours} if args.every == "auto" else {})),
                      CompileCache(args.compile_cache or work / "compile_cache"), DynamicShapes()]
+        if args.publish:
+            callbacks.append(ModelPublisher(work / "serving", submodule="model", metrics=["loss"]))
     else:
         strategy = "ddp"
         callbacks = [ETTMonitor(run_dir=work / "run", report_on_end=False),

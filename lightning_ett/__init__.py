@@ -11,7 +11,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_ett.callbacks import AsyncCheckpoint, CheckpointWriteError, CompileCache, DynamicShapes, ETTMonitor
+    from lightning_ett.callbacks import (
+        AsyncCheckpoint,
+        CheckpointWriteError,
+        CompileCache,
+        DynamicShapes,
+        ETTMonitor,
+        ModelPublisher,
+        ModelPublishError,
+    )
+    from lightning_ett.publishing import load_published
     from lightning_ett.strategies import ETTStrategy
     from lightning_ett.summary import Summary, summarize, summarize_run_dir
     from lightning_ett.timeline import Phase, get_timeline, record_phase
@@ -22,12 +31,15 @@ _WHERE = {
     "AsyncCheckpoint": "lightning_ett.callbacks", "CheckpointWriteError": "lightning_ett.callbacks",
     "CompileCache": "lightning_ett.callbacks", "DynamicShapes": "lightning_ett.callbacks",
     "ETTMonitor": "lightning_ett.callbacks", "ETTStrategy": "lightning_ett.strategies",
+    "ModelPublisher": "lightning_ett.callbacks", "ModelPublishError": "lightning_ett.callbacks",
+    "load_published": "lightning_ett.publishing",
     "Summary": "lightning_ett.summary", "summarize": "lightning_ett.summary", "summarize_run_dir": "lightning_ett.summary",
     "Phase": "lightning_ett.timeline", "get_timeline": "lightning_ett.timeline", "record_phase": "lightning_ett.timeline",
 }
 __all__ = [
-    "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy", "Phase",
-    "Summary", "get_timeline", "record_phase", "summarize", "summarize_run_dir",
+    "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy",
+    "ModelPublishError", "ModelPublisher", "Phase", "Summary", "get_timeline", "load_published", "record_phase",
+    "summarize", "summarize_run_dir",
 ]
 
 

@@ -40,6 +40,8 @@ MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 TMP_SUFFIX = ".tmp"
 REPLACED_SUFFIX = ".replaced"
+#: In a committed checkpoint: ModelPublisher is reading it, retention keeps it (not part of the manifest).
+PIN_FILE = ".publisher-pin"
 FORMAT = "ett-dcp-v1"
 _NAME = re.compile(r"^step-(\d+)$")
 

@@ -84,6 +84,7 @@ class RankLedger:
     events: list[dict[str, Any]] = field(default_factory=list)
     status: str | None = None  # "finished" or "failed" once the attempt ended on this rank
     reason: str | None = None  # why it failed, when the rank could tell
+    facts: list[dict[str, Any]] = field(default_factory=list)  # see Timeline.fact
     torn_lines: int = 0
 
 
@@ -124,8 +125,27 @@ def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> li
                     ledger.header["job_start"] = min(earlier_start, record["job_start"])
             elif record.get("kind") == "event":
                 ledger.events.append(record)
+            elif record.get("kind") == "fact":
+                ledger.facts.append(record)
             elif record.get("kind") == "status":
                 ledger.status = record.get("status")
                 ledger.reason = record.get("reason")
         ledgers.append(ledger)
     return ledgers
+
+
+def failed_attempts(run_dir: str | os.PathLike, before: int) -> int:
+    """How many of the job's attempts numbered below ``before`` ended in a failure.
+
+    An attempt failed if the launcher recorded a failure for it, or if it left rank ledgers
+    none of which says ``finished`` (a SIGKILL leaves no status at all). The cadence policy
+    of AsyncCheckpoint divides the job's wall time by this to estimate the time between failures.
+    """
+    failed = {int(r["attempt"]) for r in read_launcher_records(run_dir) if r.get("kind") == "failure" and "attempt" in r}
+    try:
+        ledgers = read_ledger(run_dir)
+    except FileNotFoundError:
+        ledgers = []
+    finished = {lg.attempt for lg in ledgers if lg.status == "finished"}
+    failed |= {lg.attempt for lg in ledgers if lg.attempt not in finished}
+    return len({a for a in failed if a < before})

@@ -76,11 +76,36 @@ def render_attempts(summary: Summary) -> Table:
     return table
 
 
+def fact_lines(summary: Summary) -> list[str]:
+    """What the components stated about the job (Timeline.fact), in words: cadence, publishing."""
+    lines = []
+    cadence = summary.facts_named("checkpoint_cadence")
+    if cadence:
+        c = cadence[-1]
+        how = (f"auto: sqrt(2 x save cost {c['save_cost_s']:.3f}s x MTBF {c['mtbf_s'] / 3600:.3g}h [{c['mtbf_source']}])"
+               if c.get("mode") == "auto" else f"fixed; save cost {c['save_cost_s']:.3f}s")
+        lines.append(f"checkpoint cadence: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s, {how}); "
+                     f"expected loss per failure at this cadence: {c['expected_loss_per_failure_s']:.1f}s; "
+                     f"predicted overhead {100 * c['predicted_overhead']:.2f}% of training time")
+    published, errors = summary.facts_named("publish"), summary.facts_named("publish_error")
+    if published or errors:
+        line = f"published models: {len(published)}"
+        if published:
+            p = published[-1]
+            line += f", latest v{p['version']:06d} (step {p['step']}) at {p['path']}"
+        if errors:
+            line += f"; {len(errors)} publish error(s), last at step {errors[-1].get('step')}: {errors[-1].get('error')}"
+        lines.append(line)
+    return lines
+
+
 def print_report(summary: Summary, console: Console | None = None) -> None:
     console = console or Console()
     console.print(render_table(summary))
     if len(summary.attempts) > 1 or any(not a.completed for a in summary.attempts) or summary.outcome:
         console.print(render_attempts(summary))
+    for line in fact_lines(summary):
+        console.print(escape(line), style="red" if "error" in line else "")
 
 
 def render_png(summary: Summary, path: str | os.PathLike) -> Path:

@@ -60,6 +60,10 @@ class Summary:
     segments: dict[int, list[Segment]] = field(repr=False)
     torn_records: int = 0
     outcome: str | None = None  # the launcher's last word: "finished", "gave up after ...", ...
+    facts: list[dict[str, Any]] = field(default_factory=list)  # Timeline.fact records of every rank, by time
+
+    def facts_named(self, name: str) -> list[dict[str, Any]]:
+        return [f for f in self.facts if f.get("name") == name]
 
     @property
     def wall_s(self) -> float:
@@ -96,6 +100,7 @@ class Summary:
             "attempt_details": [vars(a) for a in self.attempts],
             "torn_records": self.torn_records,
             "outcome": self.outcome,
+            "facts": self.facts,
         }
 
     def write_json(self, run_dir: str | os.PathLike) -> Path:
@@ -219,8 +224,9 @@ def summarize(
         phases[Phase.LAUNCH.value] = job_end - job_start
     ends_said = [r for r in launcher if r.get("kind") == "end"]
     outcome = ends_said[-1].get("reason") if ends_said else None
+    facts = sorted((f for lg in ledgers for f in lg.facts), key=lambda f: f.get("time", 0.0))
     return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
-                   sum(lg.torn_lines for lg in ledgers), outcome)
+                   sum(lg.torn_lines for lg in ledgers), outcome, facts)
 
 
 def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list[AttemptInfo]:

@@ -90,7 +90,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._writer: LedgerWriter | None = None
         self._pending: list[Event] = []
-        self._open_intervals: list[tuple[float, float]] = []  # recent top-level (start, end)
+        self._open_intervals: list[tuple[float, float, str]] = []  # recent top-level (start, end, phase)
         self.exclusive_s: dict[str, float] = {}
         self.rank = 0
         self.attempt = 0
@@ -138,23 +138,53 @@ class Timeline:
         return event
 
     def _account(self, event: Event) -> None:
-        # Events are recorded when they end, so every earlier top-level interval that starts
-        # inside this one is nested in it: it owns that time, not this event.
+        # Events are usually recorded when they end, so every earlier top-level interval that
+        # starts inside this one is nested in it: it owns that time, not this event. An event
+        # recorded after the interval that contains it (a part of a step found out afterwards,
+        # such as the slowdown a background checkpoint write caused) takes its time from it.
         nested = 0.0
         intervals = self._open_intervals
         while intervals and intervals[-1][0] >= event.start:
-            s, e = intervals.pop()
+            s, e, _ = intervals.pop()
             nested += min(e, event.end) - s
-        intervals.append((event.start, event.end))
+        if intervals and intervals[-1][0] <= event.start and event.end <= intervals[-1][1]:
+            outer = intervals[-1][2]
+            self.exclusive_s[outer] = max(self.exclusive_s.get(outer, 0.0) - event.duration, 0.0)
+            self.exclusive_s[event.phase] = self.exclusive_s.get(event.phase, 0.0) + max(event.duration - nested, 0.0)
+            return
+        intervals.append((event.start, event.end, event.phase))
         if len(intervals) > 4096:
             del intervals[:2048]
         self.exclusive_s[event.phase] = self.exclusive_s.get(event.phase, 0.0) + max(event.duration - nested, 0.0)
+
+    def carve(self, phase: str | Phase, seconds: float, within: str | Phase, step: int | None = None) -> Event | None:
+        """Give the last ``seconds`` of the latest top-level event to ``phase``, if that event is a ``within``.
+
+        For time found out only after its interval ended: the part of a training step that a
+        background checkpoint write cost. Returns ``None`` when there is no such event.
+        """
+        with self._lock:
+            last = self._open_intervals[-1] if self._open_intervals else None
+        if last is None or last[2] != Phase.parse(within).value or seconds <= 0:
+            return None
+        return self.record(phase, max(last[0], last[1] - seconds), last[1], step)
 
     def amend_header(self, **fields: Any) -> None:
         """Add facts learned after :meth:`bind` to this rank's ledger header."""
         with self._lock:
             if self._writer is not None:
                 self._writer.append({"kind": "header", **fields})
+
+    def fact(self, name: str, **fields: Any) -> None:
+        """Record a fact the report states in words (a chosen cadence, a publisher's error).
+
+        Facts are not time: they never enter the ETT% arithmetic. Before :meth:`bind` they
+        are dropped (there is no run to report them in).
+        """
+        record = {"kind": "fact", "name": name, "time": time.time(), "rank": self.rank, "attempt": self.attempt, **fields}
+        with self._lock:
+            if self._writer is not None:
+                self._writer.append(record)
 
     def set_status(self, status: str, reason: str | None = None) -> None:
         """Mark how this attempt ended on this rank (``finished`` or ``failed``, and why)."""

@@ -10,7 +10,7 @@ import pytest
 from conftest import clean_env
 
 from lightning_ett.cli import main
-from lightning_ett.faults import KillFault, parse_kill_faults
+from lightning_ett.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
 from lightning_ett.launcher import failure_reason, next_attempt, torchrun_argv
 from lightning_ett.ledger import LedgerWriter, launcher_ledger_path, ledger_path
 
@@ -119,6 +119,21 @@ def test_the_fault_switch_parses_and_rejects_malformed_values():
     for bad in ("1", "a:b", "1:2:3:4", "-1:5"):
         with pytest.raises(ValueError, match="LIGHTNING_ETT_FAULT_KILL=.*RANK:STEP"):
             parse_kill_faults(bad)
+
+
+def test_the_failure_rate_switch_draws_the_same_failures_for_the_same_seed(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_ETT_FAULT_MTBF_S", "60:7")
+    failures = random_failures_from_env()
+    assert failures == RandomFailures(60.0, 7)
+    deadlines = [failures.deadline_s(a) for a in range(400)]
+    assert deadlines == [RandomFailures(60.0, 7).deadline_s(a) for a in range(400)]  # any job, same seed: same failures
+    assert deadlines != [RandomFailures(60.0, 8).deadline_s(a) for a in range(400)]
+    assert 45 < sum(deadlines) / len(deadlines) < 75  # exponential with mean 60 s
+    assert {failures.victim(a, 2) for a in range(50)} == {0, 1}
+    for bad in ("0", "x", "60:a", "60:1:2"):
+        monkeypatch.setenv("LIGHTNING_ETT_FAULT_MTBF_S", bad)
+        with pytest.raises(ValueError, match="LIGHTNING_ETT_FAULT_MTBF_S=.*SECONDS\\[:SEED\\]"):
+            random_failures_from_env()
 
 
 def test_the_root_cause_is_the_rank_that_died_first_not_the_peers_it_took_down(tmp_path):

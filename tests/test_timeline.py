@@ -6,6 +6,7 @@ import pytest
 
 from lightning_ett import Phase, get_timeline, record_phase
 from lightning_ett.ledger import LedgerWriter, ledger_path, read_ledger
+from lightning_ett.summary import summarize
 
 
 def test_record_phase_as_context_manager_and_decorator_writes_the_ledger(tmp_path):
@@ -34,6 +35,23 @@ def test_innermost_event_owns_nested_time_in_running_totals():
     tl.record("train", 1.0, 5.0, step=0)  # encloses both
     tl.record("train", 5.0, 6.0, step=1)
     assert tl.exclusive_s == pytest.approx({"checkpoint_save": 1.0, "eval": 0.5, "train": 3.5})
+
+
+def test_a_part_of_a_step_recorded_after_the_step_takes_its_time_from_it(tmp_path):
+    # AsyncCheckpoint learns how much slower a step ran during a background write only after the step.
+    tl = get_timeline()
+    tl.bind(tmp_path, rank=0, attempt=0, header={})
+    tl.record("train", 1.0, 2.0, step=0)
+    tl.record("train", 2.0, 3.0, step=1)
+    carved = tl.carve("checkpoint_save", 0.25, within="train", step=1)
+    assert (carved.start, carved.end) == (2.75, 3.0)
+    tl.record("train", 3.0, 4.0, step=2)
+    assert tl.carve("checkpoint_save", 0.25, within="eval") is None  # the latest event is not one to carve from
+    assert tl.exclusive_s == pytest.approx({"train": 2.75, "checkpoint_save": 0.25})
+    tl.close()
+    summary = summarize(read_ledger(tmp_path))  # the ledger's arithmetic agrees with the running totals
+    assert summary.phases["train"] == pytest.approx(2.75)
+    assert summary.phases["checkpoint_save"] == pytest.approx(0.25)
 
 
 def test_unknown_phase_and_reversed_interval_are_rejected():

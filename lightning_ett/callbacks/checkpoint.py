@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -17,15 +18,30 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett import checkpoint_format as fmt
+from lightning_ett.callbacks.cadence import FIRST_SAVE_STEPS, PRIOR_MTBF_HOURS, CadenceDecision, CadenceTracker
 from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.callbacks.patching import shadow_method
 from lightning_ett.callbacks.staging import Stager
 from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWriter, WriteResult
+from lightning_ett.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
 from lightning_ett.fsutil import writable_dir_error
+from lightning_ett.ledger import failed_attempts
 from lightning_ett.timeline import Phase, get_timeline, record_phase
 
 WhenBusy = Literal["skip", "wait"]
 _TIME_CHECK_EVERY = 16  # multi-rank `every_n_minutes`: rank 0's clock is consulted every this many steps
+#: Name of the ETT-report fact that states the checkpoint cadence (see :class:`CadenceDecision`).
+CADENCE_FACT = "checkpoint_cadence"
+
+
+class CheckpointListener(Protocol):
+    """What another callback (ModelPublisher) hears from AsyncCheckpoint; register with :meth:`AsyncCheckpoint.add_listener`."""
+
+    def on_checkpoint_snapshot(self, trainer: pl.Trainer, step: int) -> None:
+        """Every rank, right after the snapshot of ``step`` (a step boundary: collectives are safe here)."""
+
+    def on_checkpoint_durable(self, trainer: pl.Trainer, path: Path, step: int) -> None:
+        """Global rank 0, on the training thread, once the checkpoint of ``step`` is committed at ``path``."""
 
 
 class AsyncCheckpoint(Checkpoint):
@@ -45,7 +61,14 @@ class AsyncCheckpoint(Checkpoint):
 
     Args:
         dirpath: directory of the checkpoints (one sub-directory ``step-<global step>`` each).
-        every_n_train_steps: save every N optimizer steps.
+        every_n_train_steps: save every N optimizer steps, or ``"auto"``: at the interval that
+            minimizes expected overhead, Young/Daly's ``sqrt(2 · save cost · MTBF)``. The save
+            cost is measured (training blocked + training slowed while the write runs; the
+            first save, after 20 steps, measures it) and re-measured at every save; the
+            interval is re-evaluated each time, logged with the predicted overhead, and stated
+            in the ETT report ("expected loss per failure at this cadence"). ``when_busy`` does
+            not apply: saves are at least 1.25 write durations apart (before the first write is
+            measured, a save due while one is in flight is postponed a step).
         every_n_minutes: save when this many minutes have passed since the last save (rank 0's
             clock decides; with several ranks it is consulted every 16 steps). Give exactly
             one of ``every_n_train_steps`` / ``every_n_minutes``.
@@ -59,6 +82,12 @@ class AsyncCheckpoint(Checkpoint):
             checkpoint in ``dirpath`` (damaged ones are skipped with a warning naming them).
             An explicit ``ckpt_path`` always wins.
         verify_checksums: on resume, check every file's CRC-32 (else only its size).
+        mtbf_hours: ``"auto"`` only: the job's mean time between failures. ``None``: the
+            job's wall time divided by the failures its ledger recorded (previous attempts
+            that did not finish; under ``lightning run`` or with ETTMonitor), or 24 h before
+            the first failure.
+        max_interval_minutes: ``"auto"`` only: save at least this often, however rare failures
+            are. (The shortest interval is automatic: 1.25 write durations, so saves never pile up.)
 
     ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
     write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``
@@ -71,13 +100,15 @@ class AsyncCheckpoint(Checkpoint):
     def __init__(
         self,
         dirpath: str | Path,
-        every_n_train_steps: int | None = None,
+        every_n_train_steps: int | Literal["auto"] | None = None,
         every_n_minutes: float | None = None,
         keep_last_n: int | None = 3,
         save_on_train_end: bool = True,
         when_busy: WhenBusy = "skip",
         resume: bool = True,
         verify_checksums: bool = True,
+        mtbf_hours: float | None = None,
+        max_interval_minutes: float = 60.0,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
             raise TypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
@@ -88,10 +119,20 @@ class AsyncCheckpoint(Checkpoint):
                 f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}, every_n_minutes={every_n_minutes!r}): "
                 "the two intervals conflict; give only one."
             )
-        if every_n_train_steps is not None and (
+        auto = every_n_train_steps == "auto"
+        if every_n_train_steps is not None and not auto and (
             not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 1
         ):
-            raise ValueError(f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}): expected an int >= 1.")
+            raise ValueError(f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}): expected an int >= 1 or 'auto'.")
+        if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float)) or mtbf_hours <= 0):
+            raise ValueError(f"AsyncCheckpoint(mtbf_hours={mtbf_hours!r}): expected a number of hours > 0, or None to "
+                             "estimate it from the job's ledger.")
+        if isinstance(max_interval_minutes, bool) or not isinstance(max_interval_minutes, (int, float)) \
+                or not max_interval_minutes > 0:
+            raise ValueError(f"AsyncCheckpoint(max_interval_minutes={max_interval_minutes!r}): expected a number > 0.")
+        if not auto and (mtbf_hours is not None or max_interval_minutes != 60.0):
+            rank_zero_warn("AsyncCheckpoint: `mtbf_hours` and `max_interval_minutes` only apply to "
+                           "every_n_train_steps='auto'; they are ignored.")
         if every_n_minutes is not None and (isinstance(every_n_minutes, bool) or not isinstance(every_n_minutes, (int, float))
                                             or every_n_minutes <= 0):
             raise ValueError(f"AsyncCheckpoint(every_n_minutes={every_n_minutes!r}): expected a number > 0.")
@@ -101,6 +142,9 @@ class AsyncCheckpoint(Checkpoint):
             raise ValueError(f"AsyncCheckpoint(when_busy={when_busy!r}): expected 'skip' or 'wait'.")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
+        self.auto = auto
+        self.mtbf_hours = mtbf_hours
+        self.max_interval_minutes = float(max_interval_minutes)
         self.every_n_minutes = every_n_minutes
         self.keep_last_n = keep_last_n
         self.save_on_train_end = save_on_train_end
@@ -120,6 +164,14 @@ class AsyncCheckpoint(Checkpoint):
         self._restore: list[Callable[[], None]] = []
         self._crashed = False
         self._group: Any | None = None
+        self._listeners: list[CheckpointListener] = []
+        # cadence: measured on every rank; rank 0 decides, every rank saves at the step it decided
+        self.cadence = CadenceTracker(max_interval_s=60 * self.max_interval_minutes)
+        self.decision: CadenceDecision | None = None
+        self._next_save_step = FIRST_SAVE_STEPS
+        self._batch_start: float | None = None
+        self._last_step_end: float | None = None
+        self._past_failures = 0
 
     @property
     def state_key(self) -> str:
@@ -140,6 +192,8 @@ class AsyncCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             for stale in [*self.dirpath.glob("step-*" + fmt.TMP_SUFFIX), *self.dirpath.glob("step-*" + fmt.REPLACED_SUFFIX)]:
                 fmt.remove(stale)  # from a crashed attempt; never selected, now deleted
+            for pin in self.dirpath.glob(f"step-*/{fmt.PIN_FILE}"):
+                pin.unlink(missing_ok=True)  # a publisher of a crashed attempt held it; retention may take it again
         group = None
         if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = dist.new_group(backend="gloo")  # the writer's collectives never meet training's
@@ -149,6 +203,9 @@ class AsyncCheckpoint(Checkpoint):
         self._crashed = False
         self._last_save_time = time.monotonic()
         self._best_model_path = ""
+        self._last_step_end = self._batch_start = None
+        if self.mtbf_hours is None and trainer.is_global_zero:
+            self._past_failures = _past_failures()
         if self.resume:
             self._patch_resume(trainer)
         trainer.strategy.barrier("AsyncCheckpoint.setup")  # stale .tmp directories are gone everywhere
@@ -193,6 +250,28 @@ class AsyncCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step > 0:  # resumed: the restored step is saved already
             self.last_saved_step = max(self.last_saved_step, trainer.global_step)
+        if self.auto:
+            # A restart keeps the measured save cost (state_dict): no measuring save needed again.
+            decision = self._decide() if trainer.is_global_zero else None
+            interval = decision.interval_steps if decision is not None else FIRST_SAVE_STEPS
+            self._next_save_step = trainer.global_step + int(trainer.strategy.broadcast(interval, src=0))
+
+    def add_listener(self, listener: CheckpointListener) -> None:
+        """Have ``listener`` hear of every snapshot (all ranks) and every committed checkpoint (rank 0)."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: CheckpointListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def release(self, path: Path) -> None:
+        """A listener is done with the checkpoint at ``path`` (it unpinned it): apply retention now.
+
+        Global rank 0. Deleting checkpoints takes seconds on network filesystems: a thread does it.
+        """
+        if self._writer is not None and self._writer.rank == 0:
+            self._writer.apply_retention_in_background()
 
     @property
     def best_model_path(self) -> str:
@@ -201,19 +280,35 @@ class AsyncCheckpoint(Checkpoint):
 
     # ------------------------------------------------------------------ saving
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._batch_start is None:  # the first batch of this optimizer step (gradient accumulation)
+            self._batch_start = time.perf_counter()
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self._writer is not None
-        self._report(trainer, self._writer.poll())
+        now = time.perf_counter()
         if _accumulating(trainer):
+            self._report(trainer, self._writer.poll())
             return  # not a step boundary: gradients of this optimizer step are still being accumulated
+        if self._batch_start is not None:
+            wall = now - self._last_step_end if self._last_step_end is not None else None
+            slower = self.cadence.observe_step(now - self._batch_start, wall, writing=self._writer.busy)
+            if slower > 0:  # the write's share of this step is checkpoint cost, not effective training
+                get_timeline().carve(Phase.CHECKPOINT_SAVE, slower, within=Phase.TRAIN, step=trainer.global_step)
+        self._batch_start = None
+        self._report(trainer, self._writer.poll())
         self._steps_seen += 1
         if self._due(trainer):
             self._save(trainer)
+        self._last_step_end = time.perf_counter()  # a save's blocked time is its cost, not a slow step
 
     def _due(self, trainer: pl.Trainer) -> bool:
         step = trainer.global_step
         if step == self.last_saved_step:
             return False
+        if self.auto:
+            return step >= self._next_save_step
         if self.every_n_train_steps is not None:
             return step % self.every_n_train_steps == 0
         assert self.every_n_minutes is not None
@@ -231,10 +326,18 @@ class AsyncCheckpoint(Checkpoint):
         start = time.perf_counter()
         with record_phase(Phase.CHECKPOINT_SAVE, step):
             busy, error = self._writer.status()
-            busy, failed = self._agree(trainer, busy, error is not None)
+            interval = 0.0
+            if self.auto and trainer.is_global_zero:
+                interval = float(self.decision.interval_steps if self.decision is not None else FIRST_SAVE_STEPS)
+            busy, failed, interval = self._agree(trainer, busy, error is not None, interval)  # rank 0's interval
             if failed:
                 self._writer.wait()  # raises this rank's error, if it has one
                 raise CheckpointWriteError("The background checkpoint write failed on another rank; see its error.")
+            if self.auto:
+                self._next_save_step = step + max(int(interval), 1)
+            if busy and not final and self.auto:
+                self._next_save_step = step + 1  # shorter than a write only before the first write was measured
+                return
             if busy and not final and self.when_busy == "skip":
                 self.skipped += 1
                 rank_zero_warn(f"AsyncCheckpoint: skipping the save of step {step}: the previous save is still being "
@@ -242,6 +345,8 @@ class AsyncCheckpoint(Checkpoint):
                 return
             if busy:
                 self._wait_agreed(trainer)
+            else:
+                self._report(trainer, self._writer.poll())  # one that finished since this step's poll: its only report
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             split = getattr(trainer.strategy, "dcp_checkpoint_tensors", None)
             if callable(split):
@@ -252,16 +357,20 @@ class AsyncCheckpoint(Checkpoint):
             if tensors is not None:  # (replicated state: rank 0 writes it all)
                 snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint})
                 self._writer.submit(snapshot, step, blocked_s=time.perf_counter() - start)
+            self.cadence.save_started()
+        for listener in list(self._listeners):
+            listener.on_checkpoint_snapshot(trainer, step)
         self.last_saved_step = step
         self.saves += 1
         self._last_save_time = time.monotonic()
 
-    def _agree(self, trainer: pl.Trainer, *flags: bool) -> list[bool]:
-        """Each flag OR-ed over all ranks: one small all-reduce, only when a save is due."""
+    def _agree(self, trainer: pl.Trainer, *flags: bool | float) -> list[Any]:
+        """Each value max-ed over all ranks (flags: OR-ed): one small all-reduce, only when a save is due."""
         if trainer.world_size == 1:
             return list(flags)
-        values = torch.tensor([float(f) for f in flags], device=trainer.strategy.root_device)
-        return [bool(v) for v in trainer.strategy.reduce(values, reduce_op="max").tolist()]
+        values = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=trainer.strategy.root_device)
+        reduced = trainer.strategy.reduce(values, reduce_op="max").tolist()
+        return [bool(v) if isinstance(f, bool) else v for f, v in zip(flags, reduced)]
 
     def _agree_or_raise(self, trainer: pl.Trainer, error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank has an error (a lone raise would leave the others in a collective)."""
@@ -288,10 +397,54 @@ class AsyncCheckpoint(Checkpoint):
         blocked = result.blocked_s
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes)}
+        cost = self.cadence.observe_save(blocked, result.seconds)
+        metrics["checkpoint/save_cost_s"] = cost
+        decision = self._decide()
+        if decision is not None:
+            metrics.update({"checkpoint/interval_steps": float(decision.interval_steps),
+                            "checkpoint/expected_loss_per_failure_s": decision.expected_loss_per_failure_s,
+                            "checkpoint/predicted_overhead": decision.predicted_overhead})
+            get_timeline().fact(CADENCE_FACT, mode="auto" if self.auto else "fixed", **decision.to_fields())
         log_to_loggers(trainer, metrics)
         rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({result.bytes / 2**20:.1f} MiB; "
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
                        f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB)")
+        if self.auto and decision is not None:
+            self._log_decision(decision)
+        for listener in list(self._listeners):
+            listener.on_checkpoint_durable(trainer, result.path, result.step)
+
+    # ------------------------------------------------------------------ cadence
+    def _mtbf(self) -> tuple[float, str]:
+        if self.mtbf_hours is not None:
+            return 3600 * self.mtbf_hours, "given"
+        job_start = float(os.environ.get(ENV_JOB_START, 0) or 0)
+        wall = time.time() - job_start if job_start > 0 else 0.0
+        if self._past_failures and wall > 0:
+            return wall / self._past_failures, f"ledger: {self._past_failures} failure(s) in {wall / 3600:.2f} h"
+        return max(3600 * PRIOR_MTBF_HOURS, wall), "no failure recorded yet: assumed"
+
+    def _decide(self) -> CadenceDecision | None:
+        """Rank 0's view of the cadence: the Young/Daly choice (``"auto"``), or the fixed interval described."""
+        mtbf_s, source = self._mtbf()
+        if self.auto:
+            self.decision = self.cadence.decide(mtbf_s, source) or self.decision
+            return self.decision
+        if isinstance(self.every_n_train_steps, int):
+            return self.cadence.describe(self.every_n_train_steps, mtbf_s, source)
+        step = self.cadence.step_s
+        if self.every_n_minutes is not None and step:
+            return self.cadence.describe(max(1, round(60 * self.every_n_minutes / step)), mtbf_s, source)
+        return None
+
+    def _log_decision(self, d: CadenceDecision) -> None:
+        bound = f", held at its {d.bound}imum" if d.bound else ""
+        rank_zero_info(
+            f"AsyncCheckpoint(every_n_train_steps='auto'): every {d.interval_steps} steps (~{d.interval_s:.1f} s{bound}) "
+            f"= sqrt(2 x save cost {d.save_cost_s:.3f} s x MTBF {d.mtbf_s / 3600:.3g} h [{d.mtbf_source}]); "
+            f"expected loss per failure {d.expected_loss_per_failure_s:.1f} s, predicted overhead "
+            f"{100 * d.predicted_overhead:.2f}% of training time"
+        )
 
     # ------------------------------------------------------------------ end of fit, failures
     @override
@@ -337,13 +490,26 @@ class AsyncCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": str(self.dirpath), "last_saved_step": self.last_saved_step, "saves": self.saves, "skipped": self.skipped}
+        return {"dirpath": str(self.dirpath), "last_saved_step": self.last_saved_step, "saves": self.saves, "skipped": self.skipped,
+                "cadence": self.cadence.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_saved_step = int(state_dict.get("last_saved_step", -1))
         self.saves = int(state_dict.get("saves", 0))
         self.skipped = int(state_dict.get("skipped", 0))
+        self.cadence.load_state_dict(state_dict.get("cadence", {}))
+
+
+def _past_failures() -> int:
+    """Failed earlier attempts of this job, from its ledger (0 without one)."""
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if not run_dir:
+        return 0
+    try:
+        return failed_attempts(run_dir, before=int(os.environ.get(ENV_ATTEMPT, "0") or 0))
+    except (OSError, ValueError):
+        return 0
 
 
 _EXCEPTION_WAIT_S = 120.0  # after a crash, a save in flight gets this long to finish (a dead peer may block it)
@@ -389,4 +555,4 @@ class _DirectoryAwareIO(CheckpointIO):
         self.inner.teardown()
 
 
-__all__ = ["AsyncCheckpoint", "CheckpointWriteError"]
+__all__ = ["AsyncCheckpoint", "CheckpointListener", "CheckpointWriteError"]

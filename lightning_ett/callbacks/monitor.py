@@ -26,7 +26,7 @@ from lightning_ett.environment import (
     resolve_job_context,
     write_job_file,
 )
-from lightning_ett.faults import faults_from_env, maybe_kill
+from lightning_ett.faults import faults_from_env, maybe_fail_randomly, maybe_kill, random_failures_from_env
 from lightning_ett.ledger import read_ledger
 from lightning_ett.summary import Summary, summarize, summarize_run_dir
 from lightning_ett.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
@@ -77,9 +77,11 @@ class ETTMonitor(Callback):
                 f"({launched_into!r}): the job's report will not see this ledger. Leave `run_dir` unset under `lightning run`."
             )
         self.context: JobContext = resolve_job_context(run_dir)
-        self._faults = faults_from_env()  # the documented fault-injection switch (lightning_ett.faults)
+        self._faults = faults_from_env()  # the documented fault-injection switches (lightning_ett.faults)
+        self._random_failures = random_failures_from_env()
         self._mark = time.time()
         self._step_start: float | None = None
+        self._training_began = time.time()  # this attempt's first training batch (set then)
         self._batch_step: int | None = None
         self._eval_start: float | None = None
         self._prior: Summary | None = None
@@ -161,7 +163,7 @@ class ETTMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._step_start is None:
-            self._step_start = self._close(Phase.DATA_INIT, self._mark)
+            self._step_start = self._training_began = self._close(Phase.DATA_INIT, self._mark)
         self._batch_step = trainer.global_step
 
     @override
@@ -171,6 +173,9 @@ class ETTMonitor(Callback):
         step = trainer.global_step
         if self._faults:
             maybe_kill(self._faults, trainer.global_rank, step, self.context.attempt)
+        if self._random_failures is not None:
+            maybe_fail_randomly(self._random_failures, trainer.global_rank, trainer.world_size, self.context.attempt,
+                                time.time() - self._training_began)
         if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step != self._logged_step and trainer.loggers:
             self._logged_step = step  # once per optimizer step, also under gradient accumulation
             log_to_loggers(trainer, self.live_metrics())

@@ -112,6 +112,7 @@ class CheckpointWriter:
         _skip_zip_crc_in_writer_threads()
         self._future: Future[WriteResult | None] | None = None
         self._reported: Future[WriteResult | None] | None = None
+        self._retention_lock = threading.Lock()
 
     def status(self) -> tuple[bool, BaseException | None]:
         """(a save is in flight, the error of the last save if it failed) — from one look at it."""
@@ -224,9 +225,26 @@ class CheckpointWriter:
         self._apply_retention(entries)
         return sum(f["bytes"] for f in manifest["files"].values())
 
+    def apply_retention_in_background(self) -> None:
+        """Apply retention now, in a thread of its own (after ModelPublisher released a pinned checkpoint)."""
+
+        def run() -> None:
+            try:
+                self._apply_retention(fmt.committed(self.root))
+            except OSError as e:  # the next commit tries again; a warning, never a training error
+                warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {e!r}", stacklevel=1)
+
+        threading.Thread(target=run, name="ett-checkpoint-retention", daemon=True).start()
+
     def _apply_retention(self, entries: list[fmt.CheckpointEntry]) -> None:
-        """Keep the ``keep_last_n`` most recently committed (``entries`` ends with the one just committed)."""
+        """Keep the ``keep_last_n`` most recently committed (``entries`` ends with the one just committed).
+
+        A checkpoint ModelPublisher has pinned (:data:`~lightning_ett.checkpoint_format.PIN_FILE`) stays until
+        it is published and unpinned; the retention pass of a later commit removes it.
+        """
         if self.keep_last_n is None:
             return
-        for entry in entries[: -self.keep_last_n]:
-            fmt.remove(entry.path)
+        with self._retention_lock:  # the commit's pass and a release's pass never delete the same directory at once
+            for entry in entries[: -self.keep_last_n]:
+                if entry.path.is_dir() and not (entry.path / fmt.PIN_FILE).exists():  # pinned: ModelPublisher reads it
+                    fmt.remove(entry.path)

@@ -46,6 +46,13 @@ def assert_equal_trees(a: Any, b: Any, path: str = "") -> int:
     return 0
 
 
+def without_timings(state: Any) -> Any:
+    """AsyncCheckpoint's measured step and save times (its cadence state) differ by when they were read."""
+    if isinstance(state, dict):
+        return {k: without_timings(v) for k, v in state.items() if k != "cadence"}
+    return state
+
+
 def test_the_async_snapshot_equals_a_synchronous_save_at_the_same_step_while_training_ran_on(tmp_path):
     # Each write is held 1 s before its commit, so steps 5.. run while step 4's checkpoint is written.
     ckpt = tmp_path / "ckpt"
@@ -56,7 +63,7 @@ def test_the_async_snapshot_equals_a_synchronous_save_at_the_same_step_while_tra
     assert assert_equal_trees(ours[0], reference[0]) >= 8
     assert assert_equal_trees(ours[1]["optimizer_states"], reference[1]["optimizer_states"]) > 0  # dense Adam
     for key in ("loops", "lr_schedulers", "global_step", "epoch", "callbacks"):
-        assert_equal_trees(ours[1][key], reference[1][key], key)
+        assert_equal_trees(without_timings(ours[1][key]), without_timings(reference[1][key]), key)
     # Training went on during the write: steps after 4 finished before step 4 was committed.
     committed_at = json.loads((ckpt / "step-000000004" / fmt.MANIFEST_FILE).read_text())["time"]
     for ledger in read_ledger(tmp_path / "ett"):

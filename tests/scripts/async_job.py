@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import torch
+import torchmetrics
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_ett import AsyncCheckpoint, ETTMonitor
+from lightning_ett import AsyncCheckpoint, ETTMonitor, ModelPublisher
 
 
 class Steps(IterableDataset):
@@ -31,12 +32,15 @@ class Regression(LightningModule):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
         self.step_sleep = step_sleep
+        self.train_mse = torchmetrics.MeanSquaredError()
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
         time.sleep(self.step_sleep)
         g = torch.Generator().manual_seed(self.global_step)
         x = torch.randn(32, 16, generator=g)
-        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), x.sum(-1))
+        prediction = self.net(x).squeeze(-1)
+        self.train_mse.update(prediction.detach(), x.sum(-1))
+        return torch.nn.functional.mse_loss(prediction, x.sum(-1))
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -57,12 +61,28 @@ class Faults(Callback):
             os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
 
 
+class BreakPublishDir(Callback):
+    """Put a file where the publish directory was: every later publish fails (an unwritable target)."""
+
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path = at, path
+
+    def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.at and self.path.is_dir():
+            import shutil
+
+            shutil.rmtree(self.path)
+            self.path.write_text("not a directory")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--max-steps", type=int, default=12)
-    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--every", type=lambda v: v if v == "auto" else int(v), default=4, help="steps, or 'auto'")
+    p.add_argument("--mtbf-hours", type=float, default=None, help="with --every auto")
+    p.add_argument("--max-interval-minutes", type=float, default=60.0, help="with --every auto")
     p.add_argument("--every-minutes", type=float, default=None, help="instead of --every")
     p.add_argument("--devices", type=int, default=1, help="> 1: DDP on gloo (rank 0 writes the checkpoint)")
     p.add_argument("--keep", type=int, default=3)
@@ -73,14 +93,26 @@ def main() -> None:
     p.add_argument("--block-tmp-of", type=int, default=None, help="make the save of this step fail (a file in the way)")
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--sigterm-at", type=int, default=None, help="send SIGTERM to rank 0 at this step")
+    p.add_argument("--publish-dir", default=None, help="add ModelPublisher(dirpath=...)")
+    p.add_argument("--publish-metrics", default="", help="comma-separated ModelPublisher metrics")
+    p.add_argument("--publish-strict", action="store_true")
+    p.add_argument("--publish-keep", type=int, default=5)
+    p.add_argument("--break-publish-dir-at", type=int, default=None, help="replace the publish dir by a file at this step")
     args = p.parse_args()
 
     out, ckpt_dir = Path(args.out), Path(args.ckpt_dir)
     out.mkdir(parents=True, exist_ok=True)
     interval = {"every_n_minutes": args.every_minutes} if args.every_minutes else {"every_n_train_steps": args.every}
+    if args.every == "auto":
+        interval.update(mtbf_hours=args.mtbf_hours, max_interval_minutes=args.max_interval_minutes)
     checkpoint = AsyncCheckpoint(ckpt_dir, keep_last_n=args.keep, when_busy=args.when_busy, **interval)
     callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False), checkpoint,
                  Faults(args.kill_at, args.block_tmp_of, ckpt_dir, args.sigterm_at)]
+    if args.publish_dir:
+        callbacks.append(ModelPublisher(args.publish_dir, keep_last_n=args.publish_keep, strict=args.publish_strict,
+                                        metrics=[m for m in args.publish_metrics.split(",") if m]))
+        if args.break_publish_dir_at is not None:
+            callbacks.append(BreakPublishDir(args.break_publish_dir_at, Path(args.publish_dir)))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
                       max_steps=args.max_steps, callbacks=callbacks,
                       logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, enable_progress_bar=False,

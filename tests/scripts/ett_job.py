@@ -21,10 +21,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_ett import AsyncCheckpoint, ETTMonitor, ETTStrategy
+from lightning_ett import AsyncCheckpoint, ETTMonitor, ETTStrategy, ModelPublisher
 
 KEYS = [f"f{i}" for i in range(4)]
 DENSE = 8
+EVAL_STEP = 99_999  # batches of this step are never trained on
 
 
 def make_batch(step: int, rank: int, batch: int, rows: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
@@ -147,6 +148,8 @@ def main() -> None:
     p.add_argument("--ett-from-env", action="store_true", help="ETTMonitor() takes its run dir from the launcher")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--fail-at", type=int, default=None, help="raise in training_step at this step, on every attempt")
+    p.add_argument("--publish-dir", default=None, help="ModelPublisher(dirpath=..., submodule='dlrm')")
+    p.add_argument("--predict-out", default=None, help="after fit, each rank's predictions on an eval batch go here")
     args = p.parse_args()
 
     out = Path(args.out)
@@ -161,6 +164,8 @@ def main() -> None:
     if args.async_every or args.async_minutes:
         interval = {"every_n_minutes": args.async_minutes} if args.async_minutes else {"every_n_train_steps": args.async_every}
         callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, **interval))
+    if args.publish_dir:
+        callbacks.append(ModelPublisher(args.publish_dir, submodule="dlrm", metrics=["loss"], strict=True))
     if args.sync_ref_at is not None:
         callbacks.append(SyncReference(args.sync_ref_at, out / "ref"))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
@@ -174,6 +179,13 @@ def main() -> None:
     model.fail_at = args.fail_at
     model.step_sleep = args.step_sleep
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
+    if args.predict_out:  # the sharded model's own predictions (a collective forward on every rank)
+        dense, kjt, _ = make_batch(EVAL_STEP, trainer.global_rank, args.batch, args.rows)
+        with torch.no_grad():
+            predictions = model.dlrm(dense, kjt).squeeze(-1)
+        Path(args.predict_out).mkdir(parents=True, exist_ok=True)
+        torch.save({"dense": dense, "ids": kjt.values(), "lengths": kjt.lengths(), "predictions": predictions,
+                    "global_step": trainer.global_step}, Path(args.predict_out) / f"rank{trainer.global_rank}.pt")
     fused = strategy.fused_optimizer_instance
     torch.save({
         "model": local_state(model),

@@ -1,0 +1,68 @@
+"""What ModelPublisher costs the training loop: the reference job with and without it, side by side.
+
+    .venv/bin/python benchmarks/publish_cost.py [--steps 1000 --every 100 --rounds 3]
+
+The reference job (benchmarks/e2e_job.py, pack arm, no failures): the example TorchRec DLRM
+(26 tables x 20,000 x 16; 8.4 M parameters, a 33.5 MB artifact) on 2 CPU ranks under
+``lightning run``, AsyncCheckpoint every ``--every`` steps, with the compile cache warmed once.
+The "publisher" arm adds ``ModelPublisher(submodule="model", metrics=["loss"])``: every
+checkpoint becomes a version, exported by its own process while training goes on.
+
+Prints per arm the medians over rounds (arms alternate) of the training time (the ``train``
+phase: 1000 steps' compute, which a background export on the same 2 cores slows), the
+``publish`` phase (what the trainer spent: notifications and the wait for the last version),
+the versions published, and the ratios publisher ÷ baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from benchmarks.reference_job import run_pack
+
+
+def job(work: Path, cache: Path, steps: int, every: int, publish: bool) -> Path:
+    args = ["--steps", str(steps), "--every", str(every), *(["--publish"] if publish else [])]
+    return run_pack(work, args, cache, max_restarts=0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--every", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    from lightning_ett.summary import summarize_run_dir
+
+    arms = {"baseline": False, "publisher": True}
+    results: dict[str, list] = {name: [] for name in arms}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        cache = tmp / "compile_cache"
+        job(tmp / "warm", cache, 50, 100, False)
+        for r in range(args.rounds):
+            for name, publish in (arms.items() if r % 2 == 0 else reversed(arms.items())):
+                results[name].append(summarize_run_dir(job(tmp / f"{name}-{r}", cache, args.steps, args.every, publish)))
+
+    def med(name: str, get) -> float:  # noqa: ANN001
+        return statistics.median(get(s) for s in results[name])
+
+    rows = {"train s": lambda s: s.effective_s, "publish s": lambda s: s.phases.get("publish", 0.0),
+            "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0), "wall s": lambda s: s.wall_s,
+            "ETT %": lambda s: s.ett_percent, "versions": lambda s: float(len(s.facts_named("publish")))}
+    print(f"reference job: {args.steps} steps, a checkpoint every {args.every}; medians of {args.rounds} rounds")
+    print(f"{'':<24}{'baseline':>12}{'publisher':>12}{'ratio':>10}")
+    for label, get in rows.items():
+        a, b = med("baseline", get), med("publisher", get)
+        ratio = f"{b / a:>10.3f}" if a > 0 and label != "versions" else ""
+        print(f"{label:<24}{a:>12.2f}{b:>12.2f}{ratio}")
+
+
+if __name__ == "__main__":
+    main()

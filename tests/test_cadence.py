@@ -1,0 +1,140 @@
+"""The ETT-optimal checkpoint cadence: Young/Daly from measured cost and MTBF, bounds, adaptation, ledger MTBF."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from conftest import REPO, run_script
+
+from lightning_ett import AsyncCheckpoint
+from lightning_ett import checkpoint_format as fmt
+from lightning_ett.callbacks.cadence import FIRST_SAVE_STEPS, CadenceTracker, young_daly_interval_s
+from lightning_ett.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
+from lightning_ett.ledger import LedgerWriter, failed_attempts, launcher_ledger_path, ledger_path, read_ledger
+from lightning_ett.summary import summarize_run_dir
+
+JOB = str(REPO / "tests" / "scripts" / "async_job.py")
+
+
+def tracker(cost: float, step: float, write: float = 0.0, max_s: float = 3600.0) -> CadenceTracker:
+    t = CadenceTracker(max_interval_s=max_s)
+    t.inject(save_cost_s=cost, step_s=step, write_s=write)
+    return t
+
+
+@pytest.mark.parametrize(("cost", "mtbf", "step"), [(2.0, 3600.0, 0.5), (0.3, 600.0, 0.05), (12.0, 4 * 3600.0, 1.7)])
+def test_the_interval_is_the_young_daly_optimum_for_injected_cost_and_mtbf(cost, mtbf, step):
+    decision = tracker(cost, step).decide(mtbf, "given")
+    expected_s = math.sqrt(2 * cost * mtbf)
+    assert young_daly_interval_s(cost, mtbf) == pytest.approx(expected_s)
+    assert decision.interval_steps == round(expected_s / step)
+    assert decision.bound is None
+    assert decision.expected_loss_per_failure_s == pytest.approx(decision.interval_s / 2)
+    # It is the minimum of the first-order overhead C/T + T/(2 MTBF): one step either way costs more.
+    overhead = lambda steps: cost / (steps * step) + steps * step / (2 * mtbf)  # noqa: E731
+    assert overhead(decision.interval_steps) <= min(overhead(decision.interval_steps - 1), overhead(decision.interval_steps + 1))
+    assert decision.predicted_overhead == pytest.approx(overhead(decision.interval_steps))
+
+
+def test_the_interval_is_bounded_by_the_write_time_and_the_maximum():
+    rare = tracker(cost=50.0, step=1.0, max_s=600.0).decide(mtbf_s=100 * 3600.0, mtbf_source="given")
+    assert (rare.interval_steps, rare.bound) == (600, "max")
+    # A save cheap for training but slow to write is never due before the previous one is durable.
+    often = tracker(cost=0.001, step=0.1, write=20.0).decide(mtbf_s=60.0, mtbf_source="given")
+    assert often.bound == "min" and often.interval_s >= 1.25 * 20.0
+
+
+def test_the_interval_adapts_when_the_measured_cost_changes():
+    t = CadenceTracker(max_interval_s=1e9)
+    for _ in range(10):
+        t.observe_step(compute_s=0.1, wall_s=0.1, writing=False)
+    for _ in range(5):
+        t.save_started()
+        t.observe_save(blocked_s=0.5, write_s=1.0)
+    cheap = t.decide(mtbf_s=7200.0, mtbf_source="given")
+    assert cheap.save_cost_s == pytest.approx(0.5)
+    # Saves become 4x as expensive (a bigger model, a slower disk): within a few saves the
+    # median cost follows, and the interval grows by sqrt(4) = 2.
+    for _ in range(3):
+        t.save_started()
+        t.observe_save(blocked_s=2.0, write_s=1.0)
+    dear = t.decide(mtbf_s=7200.0, mtbf_source="given")
+    assert dear.save_cost_s == pytest.approx(2.0)
+    assert dear.interval_steps == pytest.approx(2 * cheap.interval_steps, abs=1)
+
+
+def test_the_true_cost_adds_the_slowdown_of_the_steps_that_ran_during_the_write():
+    t = CadenceTracker(max_interval_s=1e9)
+    for _ in range(20):
+        t.observe_step(compute_s=0.100, wall_s=0.12, writing=False)
+    t.save_started()
+    for _ in range(4):
+        t.observe_step(compute_s=0.150, wall_s=0.17, writing=True)  # 50 ms slower each while the writer runs
+    assert t.observe_save(blocked_s=0.05, write_s=0.6) == pytest.approx(0.05 + 4 * 0.05)
+    restored = CadenceTracker(max_interval_s=1e9)
+    restored.load_state_dict(t.state_dict())  # a restart keeps what was measured
+    assert (restored.save_cost_s, restored.write_s) == (t.save_cost_s, t.write_s)
+    assert restored.step_s == t.step_s
+
+
+def test_mtbf_comes_from_the_jobs_ledger_of_past_attempts(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for attempt, finished in ((0, False), (1, False), (2, None)):  # two killed attempts, the current one
+        writer = LedgerWriter(ledger_path(run, attempt, 0))
+        writer.append({"kind": "header", "rank": 0, "attempt": attempt})
+        writer.append({"kind": "event", "phase": "train", "start": 1.0, "end": 2.0, "rank": 0, "attempt": attempt})
+        writer.close()
+    launcher = LedgerWriter(launcher_ledger_path(run, 0))
+    launcher.append({"kind": "failure", "attempt": 0, "rank": 1, "time": 2.0})
+    launcher.close()
+    assert [lg.status for lg in read_ledger(run)] == [None, None, None]
+    assert failed_attempts(run, before=2) == 2
+    assert failed_attempts(run, before=1) == 1
+    monkeypatch.setenv(ENV_RUN_DIR, str(run))
+    monkeypatch.setenv(ENV_ATTEMPT, "2")
+    monkeypatch.setenv(ENV_JOB_START, repr(time.time() - 3600.0))
+    from lightning_ett.callbacks.checkpoint import _past_failures
+
+    checkpoint = AsyncCheckpoint(tmp_path / "ckpt", every_n_train_steps="auto")
+    checkpoint._past_failures = _past_failures()
+    mtbf_s, source = checkpoint._mtbf()
+    assert mtbf_s == pytest.approx(1800.0, rel=0.01)  # 2 failures in the job's hour so far
+    assert "2 failure(s)" in source
+    given = AsyncCheckpoint(tmp_path / "ckpt", every_n_train_steps="auto", mtbf_hours=3)
+    assert given._mtbf() == (3 * 3600.0, "given")
+
+
+def test_auto_saves_at_the_interval_it_computed_from_what_it_measured(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc = run_script(JOB, "--out", str(out), "--ckpt-dir", str(ckpt), "--every", "auto", "--mtbf-hours", "0.002",
+                      "--max-steps", "120", "--width", "512", "--keep", "100", "--step-sleep", "0.01", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AsyncCheckpoint(every_n_train_steps='auto'): every" in proc.stderr + proc.stdout
+    summary = summarize_run_dir(out / "ett")
+    decisions = summary.facts_named("checkpoint_cadence")
+    assert decisions and all(d["mode"] == "auto" for d in decisions)
+    for d in decisions:  # each logged choice is the formula applied to the measured numbers
+        optimum = math.sqrt(2 * d["save_cost_s"] * d["mtbf_s"])
+        assert d["mtbf_s"] == pytest.approx(7.2)
+        if d["bound"] is None:
+            assert d["interval_steps"] == max(1, round(optimum / d["step_s"]))
+        assert d["expected_loss_per_failure_s"] == pytest.approx(d["interval_s"] / 2)
+    # ... and the saves came at those intervals: the first after FIRST_SAVE_STEPS to measure, then as decided.
+    steps = [e.step for e in fmt.committed(ckpt)]
+    assert steps[0] == FIRST_SAVE_STEPS
+    chosen = {d["interval_steps"] for d in decisions} | {FIRST_SAVE_STEPS}
+    gaps = [b - a for a, b in zip(steps, steps[1:])][:-1]  # the last save is the end of fit
+    assert gaps and all(g in chosen for g in gaps), (steps, chosen)
+    report = run_script("-m", "lightning_ett.cli", "report", str(out / "ett"))
+    assert "expected loss per failure at this cadence" in report.stdout, report.stdout + report.stderr
+
+
+def test_auto_rejects_bad_policy_inputs(tmp_path):
+    with pytest.raises(ValueError, match="mtbf_hours=-1"):
+        AsyncCheckpoint(tmp_path, every_n_train_steps="auto", mtbf_hours=-1)
+    with pytest.raises(ValueError, match="every_n_train_steps='sometimes'"):
+        AsyncCheckpoint(tmp_path, every_n_train_steps="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_interval_minutes=0"):
+        AsyncCheckpoint(tmp_path, every_n_train_steps="auto", max_interval_minutes=0)
