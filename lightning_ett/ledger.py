@@ -142,10 +142,24 @@ def failed_attempts(run_dir: str | os.PathLike, before: int) -> int:
     of AsyncCheckpoint divides the job's wall time by this to estimate the time between failures.
     """
     failed = {int(r["attempt"]) for r in read_launcher_records(run_dir) if r.get("kind") == "failure" and "attempt" in r}
-    try:
-        ledgers = read_ledger(run_dir)
-    except FileNotFoundError:
-        ledgers = []
-    finished = {lg.attempt for lg in ledgers if lg.status == "finished"}
-    failed |= {lg.attempt for lg in ledgers if lg.attempt not in finished}
+    for attempt in recorded_attempts(run_dir):
+        if attempt < before and attempt not in failed:
+            files = (Path(run_dir) / LEDGER_DIR / f"attempt-{attempt:04d}").glob("rank-*.jsonl")
+            if not any(_ends_finished(f) for f in files):
+                failed.add(attempt)
     return len({a for a in failed if a < before})
+
+
+def _ends_finished(path: Path) -> bool:
+    """Whether a rank's ledger says ``finished``: only its tail is read (a ledger holds a record per step)."""
+    with open(path, "rb") as f:
+        f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+        tail = f.read().decode("utf-8", errors="replace").splitlines()
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("kind") == "status":
+            return record.get("status") == "finished"
+    return False

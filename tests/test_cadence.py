@@ -81,19 +81,23 @@ def test_the_true_cost_adds_the_slowdown_of_the_steps_that_ran_during_the_write(
 
 def test_mtbf_comes_from_the_jobs_ledger_of_past_attempts(tmp_path, monkeypatch):
     run = tmp_path / "run"
-    for attempt, finished in ((0, False), (1, False), (2, None)):  # two killed attempts, the current one
+    # attempt 0: killed (the launcher saw it); 1: finished (a fit that ended, then a longer one); 2: killed
+    # without a launcher (no status); 3: the current one.
+    for attempt, status in ((0, None), (1, "finished"), (2, None), (3, None)):
         writer = LedgerWriter(ledger_path(run, attempt, 0))
         writer.append({"kind": "header", "rank": 0, "attempt": attempt})
         writer.append({"kind": "event", "phase": "train", "start": 1.0, "end": 2.0, "rank": 0, "attempt": attempt})
+        if status:
+            writer.append({"kind": "status", "status": status, "time": 2.0})
         writer.close()
     launcher = LedgerWriter(launcher_ledger_path(run, 0))
     launcher.append({"kind": "failure", "attempt": 0, "rank": 1, "time": 2.0})
     launcher.close()
-    assert [lg.status for lg in read_ledger(run)] == [None, None, None]
-    assert failed_attempts(run, before=2) == 2
-    assert failed_attempts(run, before=1) == 1
+    assert [lg.status for lg in read_ledger(run)] == [None, "finished", None, None]
+    assert failed_attempts(run, before=3) == 2
+    assert failed_attempts(run, before=2) == 1
     monkeypatch.setenv(ENV_RUN_DIR, str(run))
-    monkeypatch.setenv(ENV_ATTEMPT, "2")
+    monkeypatch.setenv(ENV_ATTEMPT, "3")
     monkeypatch.setenv(ENV_JOB_START, repr(time.time() - 3600.0))
     from lightning_ett.callbacks.checkpoint import _past_failures
 

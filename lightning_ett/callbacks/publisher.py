@@ -111,6 +111,7 @@ class ModelPublisher(Callback):
         self._metrics_at: dict[int, dict[str, float | None]] = {}
         self._last_loss: tuple[int, torch.Tensor] | None = None
         self._last_computed: dict[str, float] = {}
+        self._metric_objects: dict[str, Any] = {}  # name -> torchmetrics.Metric, resolved before the first step
         self._restore: list[Any] = []
 
     @property
@@ -146,9 +147,10 @@ class ModelPublisher(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check names against the built model (after ``configure_model``), the directory on rank 0."""
-        for name in self.metrics:
-            if name not in BUILTIN_METRICS:
-                self._remember_computed(name, _resolve_metric(pl_module, name))  # the same on every rank: every rank raises
+        self._metric_objects = {name: _resolve_metric(pl_module, name)  # the same on every rank: every rank raises
+                                for name in self.metrics if name not in BUILTIN_METRICS}
+        for name, metric in self._metric_objects.items():
+            self._remember_computed(name, metric)
         if self.submodule is not None:
             try:
                 pl_module.get_submodule(self.submodule)
@@ -312,9 +314,8 @@ class ModelPublisher(Callback):
 
     # ------------------------------------------------------------------ metrics
     def _metric_values(self, trainer: pl.Trainer, step: int) -> dict[str, float | None]:
-        pl_module = trainer.lightning_module
         values: dict[str, float | None] = {}
-        objects = {name: _resolve_metric(pl_module, name) for name in self.metrics if name not in BUILTIN_METRICS}
+        objects = self._metric_objects
         # A Metric nobody has updated yet has no value; the decision to compute must be the same on every rank.
         counts = torch.tensor([float(getattr(m, "_update_count", 0) == 0) for m in objects.values()] + [0.0],
                               dtype=torch.float64, device=trainer.strategy.root_device)
