@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--max-restarts", type=int, default=30)
     args = p.parse_args()
     from lightning_ett.summary import summarize_run_dir
+    from lightning_ett.timeline import CADENCE_FACT
 
     arms = {"too frequent": str(args.frequent), "auto": "auto", "too rare": str(args.rare)}
     results: dict[str, list] = {name: [] for name in arms}
@@ -73,7 +74,7 @@ def main() -> None:
             "attempts": lambda s: float(len(s.attempts))}
     for label, get in rows.items():
         print(f"{label:<24}" + "".join(f"{med([get(s) for s in results[n]]):>16.2f}" for n in arms))
-    chosen = [s.facts_named("checkpoint_cadence")[-1] for s in results["auto"] if s.facts_named("checkpoint_cadence")]
+    chosen = [s.facts_named(CADENCE_FACT)[-1] for s in results["auto"] if s.facts_named(CADENCE_FACT)]
     if chosen:
         c = chosen[-1]
         print(f"auto chose every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost {c['save_cost_s']:.3f}s "

@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     from lightning_ett.summary import summarize_run_dir
+    from lightning_ett.timeline import PUBLISH_FACT
 
     arms = {"baseline": False, "publisher": True}
     results: dict[str, list] = {name: [] for name in arms}
@@ -55,7 +56,7 @@ def main() -> None:
 
     rows = {"train s": lambda s: s.effective_s, "publish s": lambda s: s.phases.get("publish", 0.0),
             "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0), "wall s": lambda s: s.wall_s,
-            "ETT %": lambda s: s.ett_percent, "versions": lambda s: float(len(s.facts_named("publish")))}
+            "ETT %": lambda s: s.ett_percent, "versions": lambda s: float(len(s.facts_named(PUBLISH_FACT)))}
     print(f"reference job: {args.steps} steps, a checkpoint every {args.every}; medians of {args.rounds} rounds")
     print(f"{'':<24}{'baseline':>12}{'publisher':>12}{'ratio':>10}")
     for label, get in rows.items():

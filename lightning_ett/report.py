@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_ett.summary import Summary
-from lightning_ett.timeline import LOST, PHASE_NAMES, Phase
+from lightning_ett.timeline import CADENCE_FACT, LOST, PHASE_NAMES, PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase
 
 REPORT_PNG = "ett_report.png"
 
@@ -79,7 +79,7 @@ def render_attempts(summary: Summary) -> Table:
 def fact_lines(summary: Summary) -> list[str]:
     """What the components stated about the job (Timeline.fact), in words: cadence, publishing."""
     lines = []
-    cadence = summary.facts_named("checkpoint_cadence")
+    cadence = summary.facts_named(CADENCE_FACT)
     if cadence:
         c = cadence[-1]
         how = (f"auto: sqrt(2 x save cost {c['save_cost_s']:.3f}s x MTBF {c['mtbf_s'] / 3600:.3g}h [{c['mtbf_source']}])"
@@ -87,7 +87,7 @@ def fact_lines(summary: Summary) -> list[str]:
         lines.append(f"checkpoint cadence: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s, {how}); "
                      f"expected loss per failure at this cadence: {c['expected_loss_per_failure_s']:.1f}s; "
                      f"predicted overhead {100 * c['predicted_overhead']:.2f}% of training time")
-    published, errors = summary.facts_named("publish"), summary.facts_named("publish_error")
+    published, errors = summary.facts_named(PUBLISH_FACT), summary.facts_named(PUBLISH_ERROR_FACT)
     if published or errors:
         line = f"published models: {len(published)}"
         if published:

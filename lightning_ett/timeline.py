@@ -61,6 +61,11 @@ class Phase(str, Enum):
 LOST = "lost"
 PHASE_NAMES: tuple[str, ...] = tuple(p.value for p in Phase) + (LOST,)
 
+#: Names of the facts (:meth:`Timeline.fact`) the report states in words.
+CADENCE_FACT = "checkpoint_cadence"  # AsyncCheckpoint's interval and what it came from
+PUBLISH_FACT = "publish"  # a version ModelPublisher published
+PUBLISH_ERROR_FACT = "publish_error"  # a publish that failed
+
 
 @dataclass(frozen=True)
 class Event:
@@ -150,11 +155,10 @@ class Timeline:
         if intervals and intervals[-1][0] <= event.start and event.end <= intervals[-1][1]:
             outer = intervals[-1][2]
             self.exclusive_s[outer] = max(self.exclusive_s.get(outer, 0.0) - event.duration, 0.0)
-            self.exclusive_s[event.phase] = self.exclusive_s.get(event.phase, 0.0) + max(event.duration - nested, 0.0)
-            return
-        intervals.append((event.start, event.end, event.phase))
-        if len(intervals) > 4096:
-            del intervals[:2048]
+        else:
+            intervals.append((event.start, event.end, event.phase))
+            if len(intervals) > 4096:
+                del intervals[:2048]
         self.exclusive_s[event.phase] = self.exclusive_s.get(event.phase, 0.0) + max(event.duration - nested, 0.0)
 
     def carve(self, phase: str | Phase, seconds: float, within: str | Phase, step: int | None = None) -> Event | None:

@@ -26,12 +26,10 @@ from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWrite
 from lightning_ett.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
 from lightning_ett.fsutil import writable_dir_error
 from lightning_ett.ledger import failed_attempts
-from lightning_ett.timeline import Phase, get_timeline, record_phase
+from lightning_ett.timeline import CADENCE_FACT, Phase, get_timeline, record_phase
 
 WhenBusy = Literal["skip", "wait"]
 _TIME_CHECK_EVERY = 16  # multi-rank `every_n_minutes`: rank 0's clock is consulted every this many steps
-#: Name of the ETT-report fact that states the checkpoint cadence (see :class:`CadenceDecision`).
-CADENCE_FACT = "checkpoint_cadence"
 
 
 class CheckpointListener(Protocol):
@@ -334,10 +332,10 @@ class AsyncCheckpoint(Checkpoint):
                 self._writer.wait()  # raises this rank's error, if it has one
                 raise CheckpointWriteError("The background checkpoint write failed on another rank; see its error.")
             if self.auto:
-                self._next_save_step = step + max(int(interval), 1)
-            if busy and not final and self.auto:
-                self._next_save_step = step + 1  # shorter than a write only before the first write was measured
-                return
+                postpone = busy and not final  # an interval shorter than a write: only before the first was measured
+                self._next_save_step = step + (1 if postpone else max(int(interval), 1))
+                if postpone:
+                    return
             if busy and not final and self.when_busy == "skip":
                 self.skipped += 1
                 rank_zero_warn(f"AsyncCheckpoint: skipping the save of step {step}: the previous save is still being "

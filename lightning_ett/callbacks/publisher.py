@@ -19,12 +19,10 @@ from lightning_ett.callbacks.metrics_logging import log_to_loggers
 from lightning_ett.callbacks.publisher_process import PublisherProcess
 from lightning_ett.fsutil import writable_dir_error
 from lightning_ett.publishing import PublishRequest
-from lightning_ett.timeline import Phase, get_timeline, record_phase
+from lightning_ett.timeline import PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase, get_timeline, record_phase
 
 #: Metric names that need no torchmetrics object: the training loss at the saved step (mean over ranks), the epoch.
 BUILTIN_METRICS = ("loss", "epoch")
-PUBLISH_FACT = "publish"
-PUBLISH_ERROR_FACT = "publish_error"
 
 
 class ModelPublishError(RuntimeError):

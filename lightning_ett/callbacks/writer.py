@@ -246,5 +246,5 @@ class CheckpointWriter:
             return
         with self._retention_lock:  # the commit's pass and a release's pass never delete the same directory at once
             for entry in entries[: -self.keep_last_n]:
-                if entry.path.is_dir() and not (entry.path / fmt.PIN_FILE).exists():  # pinned: ModelPublisher reads it
+                if not (entry.path / fmt.PIN_FILE).exists():  # pinned: ModelPublisher reads it
                     fmt.remove(entry.path)
