@@ -224,7 +224,25 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
                 recorder.workers_failed(failures, dict(getattr(self._pcontext, "stderrs", {}) or {}), suspects)
             return result
 
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            _release_finished_workers(self._pcontext)
+            super()._shutdown(death_sig, timeout)
+
     return RecordingAgent
+
+
+def _release_finished_workers(pcontext: Any) -> None:
+    """Let forked workers whose script has ended exit now, not at the kill timeout.
+
+    A worker run as a function (``--preload``) waits, after its script, until the agent has read
+    its return value. An agent that is stopping the group (a SIGTERM to the launcher, or a
+    restart) never reads it: torch's ``MultiprocessContext._close`` signals the workers but does
+    not set that event, so each finished worker sat out the 30 s timeout and was SIGKILLed, and a
+    preempted job spent 30 s of the scheduler's grace period doing nothing.
+    """
+    event = getattr(pcontext, "_worker_finished_event", None)
+    if event is not None:
+        event.set()
 
 
 class _PlainTraceback(logging.Filter):

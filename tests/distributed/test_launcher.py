@@ -191,3 +191,4 @@ def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path
     assert end["reason"] == "stopped by SIGTERM"
     assert summarize_run_dir(tmp_path / "run").outcome == "stopped by SIGTERM"
     assert "stopped by SIGTERM" in err
+    assert "forcefully exiting" not in err, err[-3000:]  # the workers stopped on the SIGTERM, not at torch's 30 s SIGKILL
