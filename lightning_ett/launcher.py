@@ -18,7 +18,8 @@ processes, restarts and signal forwarding are torchrun's. What the layer adds:
   its stderr) goes to ``RUN_DIR/ledger/launcher/``; worker logs are kept per attempt under
   ``RUN_DIR/worker_logs/``.
 * **Restarts without re-imports.** Workers are forked from one pre-imported server per node
-  (:mod:`lightning_ett.worker`), unless ``preload=False`` (``--no-preload``).
+  (:mod:`lightning_ett.worker`), unless ``preload=False`` (``--no-preload``). A SIGTERM
+  stops them at once (torch's agent would leave finished forked workers waiting 30 s).
 * **The report** (``lightning-ett report``) is printed at the end.
 
 torch exposes no parameter for the agent class, so :func:`launch` swaps
