@@ -23,17 +23,21 @@ def test_phases_cover_the_process_wall_time_and_saves_and_eval_are_not_effective
     proc = run_script(
         str(SCRIPTS / "boring_job.py"), "--run-dir", str(run_dir), "--ckpt-dir", str(tmp_path / "ckpt"),
         "--max-steps", "30", "--step-sleep", "0.02", "--save-every", "10", "--save-sleep", "0.3",
-        "--val-every", "15", "--val-sleep", "0.1",
+        "--val-every", "15", "--val-sleep", "0.1", "--exit-stamp", str(tmp_path / "exit_stamp"),
     )
     finished = time.time()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ETT" in proc.stdout  # the rich table printed at the end of fit
 
     s = summarize_run_dir(run_dir)
-    # The ledger's clock agrees with an outside observer. Tolerance 1.2 s: the interpreter's
-    # teardown after the last exit handler (~0.7 s for torch + Lightning here) is invisible
-    # from inside the process; the launcher measures it.
-    assert -0.05 < (finished - started) - s.wall_s < 1.2, (s.wall_s, finished - started)
+    # The ledger's clock agrees with an outside observer, from the process's start (the OS's,
+    # 10 ms ticks) to its last exit handler. Only the interpreter's own teardown after that
+    # (1.0-1.5 s with torch here, more on a loaded machine) is invisible from inside the process;
+    # `lightning run` measures it.
+    last_exit_handler = float((tmp_path / "exit_stamp").read_text())
+    assert abs(s.job_start - started) < 0.05, (s.job_start, started)
+    assert 0 <= last_exit_handler - s.job_end < 0.25, (s.job_end, last_exit_handler)
+    assert last_exit_handler < finished
     assert sum(s.phases.values()) == pytest.approx(s.wall_s, rel=1e-6)
     assert s.phases["checkpoint_save"] >= 3 * 0.3  # saves at steps 10, 20, 30
     assert s.phases["eval"] >= 2 * 2 * 0.1  # 2 validations x 2 batches

@@ -45,7 +45,10 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
         assert totals["train"] > 0 and totals["eval"] > 0 and totals["model_init"] > 0 and totals["checkpoint_save"] > 0
     # Rank 1 starts after rank 0 spawned it: that wait is its `launch` time.
     assert s.per_rank[1]["launch"] > 0.5 and s.per_rank[0]["launch"] < 0.05
-    assert -0.05 < (finished - started) - s.wall_s < 1.5  # see test_monitor for the tolerance
+    # The job's clock against an outside observer. What the ledgers cannot see is the interpreter
+    # teardown of the last rank to exit (1.2-1.5 s with TorchRec here, more on a loaded machine);
+    # test_monitor checks start and end separately and tightly, on one process.
+    assert -0.05 < (finished - started) - s.wall_s < 2.5, (s.wall_s, finished - started)
     assert 0 < s.ett_percent < 100
 
     (metrics_csv,) = (tmp_path / "ett_runs").rglob("metrics.csv")

@@ -7,6 +7,7 @@ newest checkpoint, or block wandb's import to prove the monitor does without it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import sys
 import time
 from pathlib import Path
@@ -29,11 +30,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--report", default=None, help="write per-rank facts about the run here")
     p.add_argument("--block-wandb", action="store_true")
+    p.add_argument("--exit-stamp", default=None, help="write the time the last exit handler ran here")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse()
+    if args.exit_stamp:  # registered before any library's handler: it runs after all of them
+        atexit.register(lambda: Path(args.exit_stamp).write_text(repr(time.time())))
     if args.block_wandb:
         sys.modules["wandb"] = None  # type: ignore[assignment]  # import wandb now raises ImportError
 
