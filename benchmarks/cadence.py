@@ -47,8 +47,8 @@ def main() -> None:
     p.add_argument("--mtbf-from-ledger", action="store_true", help="auto estimates the MTBF from the job's ledger")
     p.add_argument("--max-restarts", type=int, default=30)
     args = p.parse_args()
-    from lightning_ett.summary import summarize_run_dir
-    from lightning_ett.timeline import CADENCE_FACT
+    from lightning_ett.instrument.summary import summarize_run_dir
+    from lightning_ett.instrument.timeline import CADENCE_FACT
 
     arms = {"too frequent": str(args.frequent), "auto": "auto", "too rare": str(args.rare)}
     results: dict[str, list] = {name: [] for name in arms}

@@ -43,7 +43,7 @@ def under_launcher(tmp: Path, name: str) -> dict:
     pack's own deployment, where workers are forked from a pre-imported server.
     """
     sys.path.insert(0, str(HERE.parent))
-    from lightning_ett.ledger import read_launcher_records, read_ledger
+    from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 
     run_dir = tmp / f"{name}-run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_ett.environment import process_start_time
+from lightning_ett.instrument.environment import process_start_time
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
 
     from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
     from lightning_ett import CompileCache, ETTMonitor
-    from lightning_ett.compile_events import compile_tracker
+    from lightning_ett.instrument.compile_events import compile_tracker
 
     class FirstStep(Callback):
         at: float | None = None

@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import JOB, env, run, run_pack
-from lightning_ett.ledger import LedgerWriter, launcher_ledger_path
+from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path
 
 
 def vanilla(work: Path, job: list[str], kill: str) -> Path:
@@ -63,8 +63,8 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=350)
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
-    from lightning_ett.summary import summarize_run_dir
-    from lightning_ett.timeline import PHASE_NAMES
+    from lightning_ett.instrument.summary import summarize_run_dir
+    from lightning_ett.instrument.timeline import PHASE_NAMES
 
     job = ["--steps", str(args.steps), "--every", str(args.every)]
     kill = f"1:{args.kill_at}:0"

@@ -22,8 +22,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.dlrm_example import DLRMModule, RandomCriteoDataModule  # noqa: E402
-from lightning_ett import ETTMonitor  # noqa: E402
+from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
+from lightning_ett import ETTMonitor
 
 
 class StepClock(Callback):
@@ -52,7 +52,7 @@ def median_step_s(with_monitor: bool, steps: int, warmup: int, workdir: Path) ->
 
 def per_step_hook_cost_us(n: int = 20_000) -> float:
     """What the monitor adds per step outside the model: one train event into a real ledger."""
-    from lightning_ett.timeline import Timeline
+    from lightning_ett.instrument.timeline import Timeline
 
     with tempfile.TemporaryDirectory() as tmp:
         timeline = Timeline()

@@ -38,8 +38,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    from lightning_ett.summary import summarize_run_dir
-    from lightning_ett.timeline import PUBLISH_FACT
+    from lightning_ett.instrument.summary import summarize_run_dir
+    from lightning_ett.instrument.timeline import PUBLISH_FACT
 
     arms = {"baseline": False, "publisher": True}
     results: dict[str, list] = {name: [] for name in arms}
@@ -51,7 +51,7 @@ def main() -> None:
             for name, publish in (arms.items() if r % 2 == 0 else reversed(arms.items())):
                 results[name].append(summarize_run_dir(job(tmp / f"{name}-{r}", cache, args.steps, args.every, publish)))
 
-    def med(name: str, get) -> float:  # noqa: ANN001
+    def med(name: str, get) -> float:
         return statistics.median(get(s) for s in results[name])
 
     rows = {"train s": lambda s: s.effective_s, "publish s": lambda s: s.phases.get("publish", 0.0),

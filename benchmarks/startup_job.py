@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lightning_ett import ETTMonitor, ETTStrategy  # noqa: E402
+from lightning_ett import ETTMonitor, ETTStrategy
 
 
 class ManyTables(LightningModule):
@@ -57,7 +57,7 @@ class WarmData(LightningDataModule):
         if self.dataset is None:
             self.dataset = RandomRecDataset(keys=[f"f{i}" for i in range(self.tables)], batch_size=256, hash_size=self.rows,
                                             ids_per_feature=2, num_dense=13, num_generated_batches=self.batches,
-                                            manual_seed=int(os.environ.get("LOCAL_RANK", 0)))
+                                            manual_seed=int(os.environ.get("LOCAL_RANK", "0")))
 
     def train_dataloader(self) -> DataLoader:
         self._open()

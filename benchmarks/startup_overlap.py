@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from lightning_ett.ledger import read_ledger  # noqa: E402
+from lightning_ett.instrument.ledger import read_ledger
 
 WINDOW = ("model_init", "sharding_plan", "data_init")
 
@@ -32,7 +32,7 @@ def one_run(out: Path, overlap: bool, tables: int, plan_cache: Path | None = Non
     """Per rank: fit -> first step, and the strategy's process-group and start-up-work spans."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
     env["PYTHONPATH"] = str(HERE.parent)
-    proc = subprocess.run([sys.executable, str(HERE / "startup_job.py"), "--out", str(out), "--overlap", str(int(overlap)),
+    proc = subprocess.run(check=False, args=[sys.executable, str(HERE / "startup_job.py"), "--out", str(out), "--overlap", str(int(overlap)),
                            "--tables", str(tables)] + (["--plan-cache", str(plan_cache)] if plan_cache else []), env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])

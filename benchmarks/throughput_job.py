@@ -14,11 +14,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from examples.dlrm_example import DLRMModule, RandomCriteoDataModule  # noqa: E402
+from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 
 LR = 0.05
 
@@ -33,7 +34,7 @@ def lightning_run(steps: int, warmup: int, out: Path) -> None:
     from lightning_ett import ETTStrategy
 
     class StepClock(Callback):
-        stamps: list[float] = []
+        stamps: ClassVar[list[float]] = []
 
         def on_train_batch_end(self, *args: object) -> None:
             self.stamps.append(time.perf_counter())

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
         ModelPublisher,
         ModelPublishError,
     )
-    from lightning_ett.publishing import load_published
+    from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
+    from lightning_ett.instrument.timeline import Phase, get_timeline, record_phase
+    from lightning_ett.publish.artifact import load_published
     from lightning_ett.strategies import ETTStrategy
-    from lightning_ett.summary import Summary, summarize, summarize_run_dir
-    from lightning_ett.timeline import Phase, get_timeline, record_phase
 
 __version__ = "0.1.0"
 
@@ -32,9 +32,9 @@ _WHERE = {
     "CompileCache": "lightning_ett.callbacks", "DynamicShapes": "lightning_ett.callbacks",
     "ETTMonitor": "lightning_ett.callbacks", "ETTStrategy": "lightning_ett.strategies",
     "ModelPublisher": "lightning_ett.callbacks", "ModelPublishError": "lightning_ett.callbacks",
-    "load_published": "lightning_ett.publishing",
-    "Summary": "lightning_ett.summary", "summarize": "lightning_ett.summary", "summarize_run_dir": "lightning_ett.summary",
-    "Phase": "lightning_ett.timeline", "get_timeline": "lightning_ett.timeline", "record_phase": "lightning_ett.timeline",
+    "load_published": "lightning_ett.publish.artifact",
+    "Summary": "lightning_ett.instrument.summary", "summarize": "lightning_ett.instrument.summary", "summarize_run_dir": "lightning_ett.instrument.summary",
+    "Phase": "lightning_ett.instrument.timeline", "get_timeline": "lightning_ett.instrument.timeline", "record_phase": "lightning_ett.instrument.timeline",
 }
 __all__ = [
     "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy",
@@ -46,7 +46,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
-        try:  # a submodule, as `lightning_ett.summary` after a bare `import lightning_ett`
+        try:  # a submodule, as `lightning_ett.instrument.summary` after a bare `import lightning_ett`
             return importlib.import_module(f"lightning_ett.{name}")
         except ModuleNotFoundError:
             raise AttributeError(f"module 'lightning_ett' has no attribute {name!r}") from None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ett import timeline
+from lightning_ett.instrument import timeline
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -32,6 +32,6 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return subprocess.run(check=False, args=
         [sys.executable, *args], env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd
     )

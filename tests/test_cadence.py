@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
 import pytest
 from conftest import REPO, run_script
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ett import AsyncCheckpoint
-from lightning_ett import checkpoint_format as fmt
-from lightning_ett.callbacks.cadence import FIRST_SAVE_STEPS, CadenceTracker, young_daly_interval_s
-from lightning_ett.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
-from lightning_ett.ledger import LedgerWriter, failed_attempts, launcher_ledger_path, ledger_path, read_ledger
-from lightning_ett.summary import summarize_run_dir
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceTracker, young_daly_interval_s
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
+from lightning_ett.instrument.ledger import (
+    LedgerWriter,
+    failed_attempts,
+    launcher_ledger_path,
+    ledger_path,
+    read_ledger,
+)
+from lightning_ett.instrument.summary import summarize_run_dir
 
 JOB = str(REPO / "tests" / "scripts" / "async_job.py")
 
@@ -33,7 +42,7 @@ def test_the_interval_is_the_young_daly_optimum_for_injected_cost_and_mtbf(cost,
     assert decision.bound is None
     assert decision.expected_loss_per_failure_s == pytest.approx(decision.interval_s / 2)
     # It is the minimum of the first-order overhead C/T + T/(2 MTBF): one step either way costs more.
-    overhead = lambda steps: cost / (steps * step) + steps * step / (2 * mtbf)  # noqa: E731
+    overhead = lambda steps: cost / (steps * step) + steps * step / (2 * mtbf)
     assert overhead(decision.interval_steps) <= min(overhead(decision.interval_steps - 1), overhead(decision.interval_steps + 1))
     assert decision.predicted_overhead == pytest.approx(overhead(decision.interval_steps))
 
@@ -96,18 +105,21 @@ def test_mtbf_comes_from_the_jobs_ledger_of_past_attempts(tmp_path, monkeypatch)
     assert [lg.status for lg in read_ledger(run)] == [None, "finished", None, None]
     assert failed_attempts(run, before=3) == 2
     assert failed_attempts(run, before=2) == 1
+    # The current attempt, as `lightning run` starts it: AsyncCheckpoint's setup reads the ledger.
     monkeypatch.setenv(ENV_RUN_DIR, str(run))
     monkeypatch.setenv(ENV_ATTEMPT, "3")
     monkeypatch.setenv(ENV_JOB_START, repr(time.time() - 3600.0))
-    from lightning_ett.callbacks.checkpoint import _past_failures
-
-    checkpoint = AsyncCheckpoint(tmp_path / "ckpt", every_n_train_steps="auto")
-    checkpoint._past_failures = _past_failures()
-    mtbf_s, source = checkpoint._mtbf()
-    assert mtbf_s == pytest.approx(1800.0, rel=0.01)  # 2 failures in the job's hour so far
-    assert "2 failure(s)" in source
-    given = AsyncCheckpoint(tmp_path / "ckpt", every_n_train_steps="auto", mtbf_hours=3)
-    assert given._mtbf() == (3 * 3600.0, "given")
+    decisions = []
+    for mtbf_hours in (None, 3):
+        checkpoint = AsyncCheckpoint(tmp_path / f"ckpt-{mtbf_hours}", every_n_train_steps="auto", mtbf_hours=mtbf_hours)
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=FIRST_SAVE_STEPS + 1, callbacks=[checkpoint], logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(BoringModel())  # the first save (step 20) measures the cost; its report decides the cadence
+        decisions.append(checkpoint.decision)
+    ledger, given = decisions
+    assert ledger.mtbf_s == pytest.approx(1800.0, rel=0.01)  # 2 failures in the job's hour so far
+    assert "ledger: 2 failure(s)" in ledger.mtbf_source
+    assert (given.mtbf_s, given.mtbf_source) == (3 * 3600.0, "given")
 
 
 def test_auto_saves_at_the_interval_it_computed_from_what_it_measured(tmp_path):
@@ -129,9 +141,9 @@ def test_auto_saves_at_the_interval_it_computed_from_what_it_measured(tmp_path):
     steps = [e.step for e in fmt.committed(ckpt)]
     assert steps[0] == FIRST_SAVE_STEPS
     chosen = {d["interval_steps"] for d in decisions} | {FIRST_SAVE_STEPS}
-    gaps = [b - a for a, b in zip(steps, steps[1:])][:-1]  # the last save is the end of fit
+    gaps = [b - a for a, b in itertools.pairwise(steps)][:-1]  # the last save is the end of fit
     assert gaps and all(g in chosen for g in gaps), (steps, chosen)
-    report = run_script("-m", "lightning_ett.cli", "report", str(out / "ett"))
+    report = run_script("-m", "lightning_ett.launch.cli", "report", str(out / "ett"))
     assert "expected loss per failure at this cadence" in report.stdout, report.stdout + report.stderr
 
 

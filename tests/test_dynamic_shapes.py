@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
+from conftest import SCRIPTS, run_script
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from conftest import SCRIPTS, run_script
 from lightning_ett import DynamicShapes
 from lightning_ett.callbacks.dynamic_shapes import mark_batch_dynamic
-from lightning_ett.compile_events import compile_tracker
-from lightning_ett.ledger import read_ledger
+from lightning_ett.instrument.compile_events import compile_tracker
+from lightning_ett.instrument.ledger import read_ledger
 
 JOB = str(SCRIPTS / "compile_job.py")
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import SCRIPTS, clean_env, run_script
 
-from lightning_ett.cli import main
-from lightning_ett.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
-from lightning_ett.launcher import failure_reason, next_attempt, torchrun_argv
-from lightning_ett.ledger import LedgerWriter, launcher_ledger_path, ledger_path
+from lightning_ett import summarize_run_dir
+from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, ledger_path
+from lightning_ett.launch.cli import main
+from lightning_ett.launch.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
+from lightning_ett.launch.launcher import failure_reason, next_attempt, torchrun_argv
 
 LIGHTNING = Path(sys.executable).parent / "lightning"
 
@@ -76,7 +78,7 @@ def test_the_lightning_executable_accepts_the_older_run_model_spelling(tmp_path,
 
 
 def test_torchrun_aliases_and_defaults_become_one_c10d_rendezvous(tmp_path, script):
-    from lightning_ett.cli import _launch_options, build_parser
+    from lightning_ett.launch.cli import _launch_options, build_parser
 
     args = build_parser().parse_args(["run", "--nnodes", "2", "--node_rank", "1", "--nproc-per-node", "4",
                                       "--rdzv-endpoint", "node0:29555", "--run-dir", str(tmp_path / "job-7"),
@@ -100,6 +102,17 @@ def test_failure_reasons_name_the_signal_or_the_last_exception(tmp_path):
     assert failure_reason(-15, None) == "killed by SIGTERM"
     log.write_text("cannot start: bad config\n")
     assert failure_reason(1, str(log)) == "exit code 1: cannot start: bad config"
+    assert failure_reason(-200, None) == "killed by signal 200"  # not a signal Python knows
+    log.write_text("")
+    assert failure_reason(3, str(log)) == "exit code 3"
+    assert failure_reason(2, str(tmp_path / "missing.log")) == "exit code 2"
+    # A DCP write that failed: the last exception line, one line, not the traceback objects DCP's repr holds.
+    log.write_text("[rank0]:Traceback (most recent call last):\n[rank0]:lightning_ett.checkpoint.writer.CheckpointWriteError: "
+                   "The background checkpoint write failed: No space left on device (ENOSPC) at '/ckpt/step-4.tmp'\n")
+    assert failure_reason(1, str(log)) == ("exit code 1: lightning_ett.checkpoint.writer.CheckpointWriteError: The background "
+                                           "checkpoint write failed: No space left on device (ENOSPC) at '/ckpt/step-4.tmp'")
+    log.write_bytes(b"x" * 200_000 + b"\nKeyboardInterrupt\n")  # only the tail of a long log is read
+    assert failure_reason(130, str(log)) == "exit code 130: KeyboardInterrupt"
 
 
 def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):
@@ -140,8 +153,8 @@ def test_the_root_cause_is_the_rank_that_died_first_not_the_peers_it_took_down(t
     import os
     from types import SimpleNamespace
 
-    from lightning_ett.launcher import LaunchOptions, LaunchRecorder
-    from lightning_ett.ledger import read_launcher_records
+    from lightning_ett.instrument.ledger import read_launcher_records
+    from lightning_ett.launch.launcher import LaunchOptions, LaunchRecorder
 
     logs = {}
     for local_rank, (text, age) in enumerate([("quiet since start-up\n", 60), ("RuntimeError: bad batch\n", 5),
@@ -159,3 +172,14 @@ def test_the_root_cause_is_the_rank_that_died_first_not_the_peers_it_took_down(t
     assert records[2]["reason"] == "failed after rank 1: exit code 1: RuntimeError: Connection closed by peer"
     assert records[0]["reason"] == "stopped by the launcher after another rank failed"
     assert recorder.last_failure == "rank 1 exit code 1: RuntimeError: bad batch"
+
+
+def test_the_failure_rate_switch_really_kills_a_rank(tmp_path):
+    # One rank, MTBF 0.3 s: killed by SIGKILL after a draw of training time (seed 1), long before step 2000.
+    proc = run_script(str(SCRIPTS / "boring_job.py"), "--run-dir", str(tmp_path / "run"), "--max-steps", "2000",
+                      "--step-sleep", "0.01", timeout=120, LIGHTNING_ETT_FAULT_MTBF_S="0.3:1")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    deadline = RandomFailures(0.3, 1).deadline_s(0)
+    assert "lightning-ett fault injection: SIGKILL rank 0 after" in proc.stderr
+    trained = summarize_run_dir(tmp_path / "run").phases["train"]
+    assert deadline <= trained + 0.5 and trained < 20 * 0.01 + deadline + 5  # it died at the drawn time, not at the end

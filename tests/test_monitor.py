@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPTS, run_script
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from conftest import SCRIPTS, run_script
 from lightning_ett import ETTMonitor, summarize_run_dir
-from lightning_ett.ledger import read_ledger
+from lightning_ett.instrument.ledger import read_ledger
 
 
 def test_phases_cover_the_process_wall_time_and_saves_and_eval_are_not_effective(tmp_path):

@@ -15,10 +15,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ett import AsyncCheckpoint, ModelPublisher, load_published
-from lightning_ett import checkpoint_format as fmt
-from lightning_ett import publishing as pub
-from lightning_ett.ledger import read_ledger
-from lightning_ett.summary import summarize_run_dir
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.durable.manifest import crc32_of
+from lightning_ett.instrument.ledger import read_ledger
+from lightning_ett.instrument.summary import summarize_run_dir
+from lightning_ett.publish import artifact as pub
 
 JOB = str(REPO / "tests" / "scripts" / "async_job.py")
 
@@ -36,7 +37,7 @@ def test_each_durable_checkpoint_is_published_with_its_manifest_and_latest(tmp_p
     facts = summarize_run_dir(tmp_path / "out" / "ett").facts_named("publish")
     # Steps 6, 12, 18, 24 were committed; a publisher that lags publishes the newest and skips older ones.
     count = len(facts)
-    assert [f["step"] for f in facts][-1] == 24 and set(f["step"] for f in facts) <= {6, 12, 18, 24}
+    assert [f["step"] for f in facts][-1] == 24 and {f["step"] for f in facts} <= {6, 12, 18, 24}
     assert [f["version"] for f in facts] == list(range(1, count + 1))
     versions = pub.published_versions(root)
     assert [v for v, _ in versions] == list(range(max(count - 1, 1), count + 1))  # keep_last_n=2
@@ -56,7 +57,7 @@ def test_each_durable_checkpoint_is_published_with_its_manifest_and_latest(tmp_p
     # Nothing pinned is left behind, and checkpoint retention went on as configured.
     assert not list((tmp_path / "ckpt").glob(f"*/{fmt.PIN_FILE}"))
     assert [e.step for e in fmt.committed(tmp_path / "ckpt")] == [18, 24]
-    report = run_script("-m", "lightning_ett.cli", "report", str(tmp_path / "out" / "ett"))
+    report = run_script("-m", "lightning_ett.launch.cli", "report", str(tmp_path / "out" / "ett"))
     assert f"published models: {count}, latest {pub.version_name(count)} (step 24)" in report.stdout, report.stdout
 
 
@@ -92,7 +93,7 @@ def test_a_crashing_publisher_leaves_training_running_and_the_error_reported(tmp
     errors = summary.facts_named("publish_error")
     # Started again for each request, each failure reported (a lagging publisher skips superseded checkpoints).
     assert len(errors) >= 2 and errors[-1]["step"] == 20 and all("code 17" in e["error"] for e in errors)
-    report = run_script("-m", "lightning_ett.cli", "report", str(tmp_path / "out" / "ett"))
+    report = run_script("-m", "lightning_ett.launch.cli", "report", str(tmp_path / "out" / "ett"))
     assert f"{len(errors)} publish error(s), last at step 20" in report.stdout, report.stdout
     assert not list((tmp_path / "ckpt").glob(f"*/{fmt.PIN_FILE}"))
 
@@ -181,7 +182,7 @@ def test_the_export_skips_a_checkpoint_already_published_and_leaves_no_partial_v
     pub.remove_stale(tmp_path / "pub")
     assert [p.name for p in sorted((tmp_path / "pub").iterdir())] == [pub.LOCK_FILE, "latest", "v000001"]
     manifest = json.loads((tmp_path / "pub" / "v000001" / pub.MANIFEST_FILE).read_text())
-    assert manifest["files"][pub.ARTIFACT_FILE]["crc32"] == fmt.crc32_of(tmp_path / "pub" / "v000001" / pub.ARTIFACT_FILE)
+    assert manifest["files"][pub.ARTIFACT_FILE]["crc32"] == crc32_of(tmp_path / "pub" / "v000001" / pub.ARTIFACT_FILE)
 
 
 def test_the_publisher_process_dies_with_the_trainer(tmp_path):
@@ -189,8 +190,8 @@ def test_the_publisher_process_dies_with_the_trainer(tmp_path):
     code = (
         "import os, signal, sys, time\n"
         "from pathlib import Path\n"
-        "from lightning_ett.callbacks.publisher_process import PublisherProcess\n"
-        "from lightning_ett.publishing import PublishRequest\n"
+        "from lightning_ett.publish.process import PublisherProcess\n"
+        "from lightning_ett.publish.artifact import PublishRequest\n"
         f"p = PublisherProcess(Path({str(tmp_path / 'pub')!r}), None)\n"
         "p.send(PublishRequest('/nonexistent', 1))\n"  # the process is busy with it for 60 s (injected delay)
         "print(p._proc.pid, flush=True)\n"
@@ -207,3 +208,15 @@ def test_the_publisher_process_dies_with_the_trainer(tmp_path):
         time.sleep(0.1)
     alive = Path(f"/proc/{child}/status").exists() and "State:\tZ" not in Path(f"/proc/{child}/status").read_text()
     assert not alive, f"publisher process {child} outlived its trainer"
+
+
+def test_version_numbers_only_increase_even_after_the_publish_dir_is_emptied(tmp_path):
+    proc = run_job(tmp_path, "--max-steps", "16", "--every", "4", "--step-sleep", "0.05", "--empty-publish-dir-at", "10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = summarize_run_dir(tmp_path / "out" / "ett").facts_named("publish")
+    versions = [f["version"] for f in facts]
+    assert versions == sorted(set(versions)) and len(versions) >= 2, facts  # strictly increasing, none reused
+    on_disk = [v for v, _ in pub.published_versions(tmp_path / "pub")]
+    # v000001 was published before the emptying (the job waits for it) and never issued again.
+    assert on_disk and min(on_disk) > 1 and max(on_disk) == versions[-1], (facts, on_disk)
+    assert (tmp_path / "pub" / "latest").read_text().strip() == pub.version_name(max(on_disk))

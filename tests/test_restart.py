@@ -10,8 +10,9 @@ import sys
 import time
 
 from conftest import SCRIPTS, clean_env, run_script
+
 from lightning_ett import summarize_run_dir
-from lightning_ett.ledger import read_ledger
+from lightning_ett.instrument.ledger import read_ledger
 
 
 def _wait_for_step(ledger_file, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -11,7 +11,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from lightning_ett import ETTStrategy
-from lightning_ett.strategies.plan_cache import PlanCache, compute_plan, embedding_tables, plan_inputs, validate_constraints
+from lightning_ett.strategies.plan_cache import (
+    PlanCache,
+    compute_plan,
+    embedding_tables,
+    plan_inputs,
+    validate_constraints,
+)
 from lightning_ett.strategies.sharders import default_sharders
 
 
@@ -53,10 +59,28 @@ def test_plan_cache_round_trips_and_rejects_a_file_written_for_other_inputs(tmp_
 
     other = plan_inputs(embedding_tables(ebc(rows=999)), topology, sharders, constraints, 512)
     assert other.key != inputs.key and cache.load(other, tables) is None  # other tables: not used
-    # A file under this key that was written for other inputs (copied, renamed, stale): a clear error.
+    # A file under this key that was written for other inputs (copied, renamed, stale): named, set aside, planned again.
     cache.path(other.key).write_bytes(pickle.dumps({"key": inputs.key, "inputs": inputs, "plan": plan}))
-    with pytest.raises(ValueError, match="written for other inputs"):
-        cache.load(other, tables)
+    with pytest.warns(UserWarning, match=f"ignoring the plan cache entry '{cache.path(other.key)}'.*written for other inputs"):
+        assert cache.load(other, tables) is None
+    assert not cache.path(other.key).exists() and len(list(tmp_path.glob(f"{cache.path(other.key).name}.corrupt-*"))) == 1
+
+
+@pytest.mark.parametrize("damage", [b"garbage, not a pickle", b"", "truncated"])
+def test_a_damaged_plan_cache_entry_is_named_set_aside_and_planned_again(tmp_path, damage):
+    module = ebc()
+    tables = embedding_tables(module)
+    topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
+    sharders = default_sharders("cpu")
+    inputs = plan_inputs(tables, topology, sharders, {}, 512)
+    cache = PlanCache(tmp_path)
+    path = cache.store(inputs, compute_plan(module, topology, sharders, {}, 512))
+    path.write_bytes(path.read_bytes()[:40] if damage == "truncated" else damage)
+    with pytest.warns(UserWarning, match=f"ignoring the plan cache entry '{path}'"):
+        assert cache.load(inputs, tables) is None  # the strategy then plans again and stores a good entry
+    assert not path.exists()
+    cache.store(inputs, compute_plan(module, topology, sharders, {}, 512))
+    assert cache.load(inputs, tables) is not None
 
 
 def test_unwritable_plan_cache_dir_is_a_clear_error(tmp_path):

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ett.ledger import RankLedger
-from lightning_ett.summary import summarize
+from lightning_ett.instrument.ledger import RankLedger
+from lightning_ett.instrument.summary import summarize
 
 
 def ledger(attempt: int, rank: int, events: list[tuple], job_start: float | None = None, status: str | None = None) -> RankLedger:

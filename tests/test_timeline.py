@@ -5,8 +5,8 @@ import time
 import pytest
 
 from lightning_ett import Phase, get_timeline, record_phase
-from lightning_ett.ledger import LedgerWriter, ledger_path, read_ledger
-from lightning_ett.summary import summarize
+from lightning_ett.instrument.ledger import LedgerWriter, ledger_path, read_ledger
+from lightning_ett.instrument.summary import summarize
 
 
 def test_record_phase_as_context_manager_and_decorator_writes_the_ledger(tmp_path):

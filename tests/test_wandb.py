@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conftest import SCRIPTS, run_script
 from helpers.wandb_records import find_run_file, history_rows, summary_values
+
 from lightning_ett import summarize_run_dir
 
 

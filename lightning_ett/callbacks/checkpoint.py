@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -17,16 +16,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett import checkpoint_format as fmt
-from lightning_ett.callbacks.cadence import FIRST_SAVE_STEPS, PRIOR_MTBF_HOURS, CadenceDecision, CadenceTracker
-from lightning_ett.callbacks.metrics_logging import log_to_loggers
-from lightning_ett.callbacks.patching import shadow_method
-from lightning_ett.callbacks.staging import Stager
-from lightning_ett.callbacks.writer import CheckpointWriteError, CheckpointWriter, WriteResult
-from lightning_ett.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
-from lightning_ett.fsutil import writable_dir_error
-from lightning_ett.ledger import failed_attempts
-from lightning_ett.timeline import CADENCE_FACT, Phase, get_timeline, record_phase
+from lightning_ett.callbacks.loggers import log_to_loggers
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, PRIOR_MTBF_HOURS, CadenceDecision, CadenceTracker
+from lightning_ett.checkpoint.staging import Stager
+from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
+from lightning_ett.durable.commit import remove_stale
+from lightning_ett.durable.files import writable_dir_error
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
+from lightning_ett.instrument.ledger import failed_attempts
+from lightning_ett.instrument.timeline import CADENCE_FACT, Phase, get_timeline, record_phase
+from lightning_ett.patching import Patches
 
 WhenBusy = Literal["skip", "wait"]
 _TIME_CHECK_EVERY = 16  # multi-rank `every_n_minutes`: rank 0's clock is consulted every this many steps
@@ -52,7 +52,7 @@ class AsyncCheckpoint(Checkpoint):
     copies, on CUDA; no second copy on the accelerator). A worker thread then writes it with
     ``torch.distributed.checkpoint`` while training continues, and commits it atomically:
     fsync, ``manifest.json`` with CRC-32s, rename, ``latest``, retention. See
-    :mod:`lightning_ett.checkpoint_format` for the layout.
+    :mod:`lightning_ett.checkpoint.layout` for the layout and :mod:`lightning_ett.durable.commit` for the commit.
 
     Under ``ETTStrategy`` every rank writes its own shards (collectively, on a dedicated gloo
     group); with other strategies the global rank 0 writes the whole checkpoint.
@@ -159,7 +159,7 @@ class AsyncCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         self._steps_seen = 0
         self._best_model_path = ""
-        self._restore: list[Callable[[], None]] = []
+        self._patches = Patches()
         self._crashed = False
         self._group: Any | None = None
         self._listeners: list[CheckpointListener] = []
@@ -188,8 +188,8 @@ class AsyncCheckpoint(Checkpoint):
         self._agree_or_raise(trainer, writable_dir_error(self.dirpath, "AsyncCheckpoint(dirpath", trainer.global_rank),
                              "could not write to its dirpath")
         if trainer.is_global_zero:
-            for stale in [*self.dirpath.glob("step-*" + fmt.TMP_SUFFIX), *self.dirpath.glob("step-*" + fmt.REPLACED_SUFFIX)]:
-                fmt.remove(stale)  # from a crashed attempt; never selected, now deleted
+            for said in remove_stale(self.dirpath, fmt.STEP_PATTERN, fmt.FORMAT):  # a crashed attempt's leftovers
+                rank_zero_info(f"AsyncCheckpoint: {said}")
             for pin in self.dirpath.glob(f"step-*/{fmt.PIN_FILE}"):
                 pin.unlink(missing_ok=True)  # a publisher of a crashed attempt held it; retention may take it again
         group = None
@@ -223,7 +223,7 @@ class AsyncCheckpoint(Checkpoint):
                 checkpoint_path = self._select_resume_checkpoint(trainer)
             original(checkpoint_path, weights_only=weights_only)
 
-        self._restore.append(shadow_method(connector, "resume_start", resume_start))
+        self._patches.setattr(connector, "resume_start", resume_start)
 
     def _select_resume_checkpoint(self, trainer: pl.Trainer) -> str | None:
         """Rank 0 verifies, every rank gets its answer (or its error)."""
@@ -416,7 +416,7 @@ class AsyncCheckpoint(Checkpoint):
     def _mtbf(self) -> tuple[float, str]:
         if self.mtbf_hours is not None:
             return 3600 * self.mtbf_hours, "given"
-        job_start = float(os.environ.get(ENV_JOB_START, 0) or 0)
+        job_start = float(os.environ.get(ENV_JOB_START, "0") or 0)
         wall = time.time() - job_start if job_start > 0 else 0.0
         if self._past_failures and wall > 0:
             return wall / self._past_failures, f"ledger: {self._past_failures} failure(s) in {wall / 3600:.2f} h"
@@ -476,9 +476,9 @@ class AsyncCheckpoint(Checkpoint):
             self._cleanup()
 
     def _cleanup(self) -> None:
-        for restore in reversed(self._restore):
-            restore()
-        self._restore.clear()
+        self._patches.undo()
+        if self._writer is not None:
+            self._writer.close()
         self._writer = None
         self._stager.release()
         if self._group is not None:
@@ -541,7 +541,7 @@ class _DirectoryAwareIO(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        if fmt.is_dcp_checkpoint(path):
+        if fmt.looks_like_checkpoint(path):
             with record_phase(Phase.CHECKPOINT_LOAD):
                 return fmt.load_unsharded(path)
         return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)

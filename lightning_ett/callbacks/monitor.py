@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.callbacks.metrics_logging import log_to_loggers
-from lightning_ett.callbacks.patching import shadow_method
-from lightning_ett.compile_events import compile_tracker
-from lightning_ett.environment import (
+from lightning_ett.callbacks.loggers import log_to_loggers
+from lightning_ett.durable.errors import explain
+from lightning_ett.instrument.compile_events import compile_tracker
+from lightning_ett.instrument.environment import (
     ENV_LAUNCHER,
     ENV_RUN_DIR,
     JobContext,
@@ -26,10 +25,11 @@ from lightning_ett.environment import (
     resolve_job_context,
     write_job_file,
 )
-from lightning_ett.faults import faults_from_env, maybe_fail_randomly, maybe_kill, random_failures_from_env
-from lightning_ett.ledger import read_ledger
-from lightning_ett.summary import Summary, summarize, summarize_run_dir
-from lightning_ett.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
+from lightning_ett.instrument.ledger import read_ledger
+from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
+from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
+from lightning_ett.launch.faults import faults_from_env, maybe_fail_randomly, maybe_kill, random_failures_from_env
+from lightning_ett.patching import Patches
 
 
 class ETTMonitor(Callback):
@@ -77,7 +77,7 @@ class ETTMonitor(Callback):
                 f"({launched_into!r}): the job's report will not see this ledger. Leave `run_dir` unset under `lightning run`."
             )
         self.context: JobContext = resolve_job_context(run_dir)
-        self._faults = faults_from_env()  # the documented fault-injection switches (lightning_ett.faults)
+        self._faults = faults_from_env()  # the documented fault-injection switches (lightning_ett.launch.faults)
         self._random_failures = random_failures_from_env()
         self._mark = time.time()
         self._step_start: float | None = None
@@ -86,7 +86,7 @@ class ETTMonitor(Callback):
         self._eval_start: float | None = None
         self._prior: Summary | None = None
         self._logged_step = -1
-        self._restore: list[Callable[[], None]] = []
+        self._patches = Patches()
         self._started = False
         if not self._timeline.import_recorded:
             imported = import_time()
@@ -140,7 +140,7 @@ class ETTMonitor(Callback):
                 self._timeline.record(phase, start, time.time())
 
         timed._ett_wrapped = True  # type: ignore[attr-defined]
-        self._restore.append(shadow_method(owner, name, timed))
+        self._patches.setattr(owner, name, timed)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -230,14 +230,12 @@ class ETTMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for restore in reversed(self._restore):
-            restore()
-        self._restore.clear()
+        self._patches.undo()
         if stage != "fit" or not trainer.is_global_zero:
             return
         summary = summarize_run_dir(self.run_dir, now=time.time())
         log_to_loggers(trainer, _metrics(summary.phases, summary.wall_s))
-        from lightning_ett.report import REPORT_PNG, write_report
+        from lightning_ett.instrument.report import REPORT_PNG, write_report
 
         # Under `lightning run` the launcher prints the job's report once the job ends.
         write_report(summary, self.run_dir, show=self.report_on_end and ENV_LAUNCHER not in os.environ)
@@ -249,13 +247,14 @@ class ETTMonitor(Callback):
 
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                from lightning_ett.callbacks.wandb_report import log_breakdown
+                from lightning_ett.callbacks.loggers import log_breakdown
 
                 log_breakdown(logger.experiment, summary, png)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._timeline.set_status("failed", reason=f"{type(exception).__name__}: {exception}"[:500])
+        self._patches.undo()
+        self._timeline.set_status("failed", reason=explain(exception))
         self._timeline.shutdown_from = time.time()
 
     # ------------------------------------------------------------------ state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,12 +15,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.checkpoint import AsyncCheckpoint
-from lightning_ett.checkpoint_format import PIN_FILE
-from lightning_ett.callbacks.metrics_logging import log_to_loggers
-from lightning_ett.callbacks.publisher_process import PublisherProcess
-from lightning_ett.fsutil import writable_dir_error
-from lightning_ett.publishing import PublishRequest
-from lightning_ett.timeline import PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase, get_timeline, record_phase
+from lightning_ett.callbacks.loggers import log_to_loggers
+from lightning_ett.checkpoint.layout import PIN_FILE
+from lightning_ett.durable.files import writable_dir_error
+from lightning_ett.instrument.timeline import PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase, get_timeline, record_phase
+from lightning_ett.patching import Patches
+from lightning_ett.publish.artifact import PublishRequest
+from lightning_ett.publish.process import PublisherProcess
 
 #: Metric names that need no torchmetrics object: the training loss at the saved step (mean over ranks), the epoch.
 BUILTIN_METRICS = ("loss", "epoch")
@@ -37,7 +39,7 @@ class ModelPublisher(Callback):
     and a pin file). That process reads the checkpoint's model weights — whole, sharded tables
     gathered by DCP, no optimizer state — and writes ``<dirpath>/v<N>/model.pt`` with a
     ``manifest.json`` (version, global step, time, source checkpoint, ``metrics``), then
-    replaces ``<dirpath>/latest`` atomically. See :mod:`lightning_ett.publishing` for the format;
+    replaces ``<dirpath>/latest`` atomically. See :mod:`lightning_ett.publish.artifact` for the format;
     a server loads it with ``torch.load(..., weights_only=True)`` into the plain model.
 
     If the publisher lags, it publishes the newest committed checkpoint and skips older
@@ -110,7 +112,7 @@ class ModelPublisher(Callback):
         self._last_loss: tuple[int, torch.Tensor] | None = None
         self._last_computed: dict[str, float] = {}
         self._metric_objects: dict[str, Any] = {}  # name -> torchmetrics.Metric, resolved before the first step
-        self._restore: list[Any] = []
+        self._patches = Patches()
 
     @property
     def state_key(self) -> str:
@@ -174,8 +176,7 @@ class ModelPublisher(Callback):
                 self._last_computed[name] = float(value.detach().float().mean())
             return value
 
-        metric.compute = compute
-        self._restore.append(lambda: setattr(metric, "compute", original))
+        self._patches.setattr(metric, "compute", compute)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -221,7 +222,9 @@ class ModelPublisher(Callback):
                 return
             if self._pending is not None:
                 self._release(Path(self._pending.source))  # superseded before it was started: newest wins
-            self._pending = PublishRequest(str(path), step, self._metrics_at.pop(step, {}), self.submodule)
+            # Numbered above this job's last version, even if the directory was emptied meanwhile.
+            self._pending = PublishRequest(str(path), step, self._metrics_at.pop(step, {}), self.submodule,
+                                           after_version=self.last_version or 0)
             self._dispatch(trainer)
 
     def _dispatch(self, trainer: pl.Trainer) -> None:
@@ -295,9 +298,7 @@ class ModelPublisher(Callback):
         self._stop(kill=True)
 
     def _stop(self, kill: bool = False) -> None:
-        for restore in reversed(self._restore):
-            restore()
-        self._restore.clear()
+        self._patches.undo()
         if self._checkpoint is not None:
             self._checkpoint.remove_listener(self)
         if self._pending is not None:
@@ -330,7 +331,7 @@ class ModelPublisher(Callback):
                 loss = self._last_loss[1].to(device=loss.device, dtype=torch.float64).reshape(())
             local = float(loss)
             mean = float(trainer.strategy.reduce(loss, reduce_op="mean")) if trainer.world_size > 1 else local
-            values["loss"] = None if mean != mean else mean
+            values["loss"] = None if math.isnan(mean) else mean
         if "epoch" in self.metrics:
             values["epoch"] = float(trainer.current_epoch)
         return values

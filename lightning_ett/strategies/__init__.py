@@ -1,6 +1,6 @@
 """Lightning strategies of lightning-ett."""
 
-from lightning_ett.environment import mark_imported
+from lightning_ett.instrument.environment import mark_imported
 from lightning_ett.strategies.ett import OVERLAP_HOOK, ETTStrategy
 
 __all__ = ["ETTStrategy", "OVERLAP_HOOK"]  # noqa: RUF022 - the strategy first

@@ -1,7 +1,7 @@
 """ETTStrategy: TorchRec sharding as a Lightning Strategy, with a shorter start-up.
 
 Lightning hooks only; the work is delegated: :mod:`.overlap` (process group in the
-background), :mod:`.plan_cache` (local planning and its cache), :mod:`.checkpoint_io` (DCP).
+background), :mod:`.plan_cache` (local planning and its cache), :mod:`lightning_ett.checkpoint.sharded` (DCP).
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
-from lightning_ett.strategies import checkpoint_io as ckpt
+from lightning_ett.checkpoint import sharded as ckpt
+from lightning_ett.durable.files import remove_path
+from lightning_ett.instrument.timeline import Phase, record_phase
+from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
 from lightning_ett.strategies.overlap import BackgroundTask
 from lightning_ett.strategies.plan_cache import (
@@ -48,8 +51,12 @@ from lightning_ett.strategies.plan_cache import (
     validate_constraints,
 )
 from lightning_ett.strategies.process_group import default_backend, init_process_group
-from lightning_ett.strategies.sharders import FUSED_OPTIMIZERS, apply_fused_optimizer, default_sharders
-from lightning_ett.timeline import Phase, record_phase
+from lightning_ett.strategies.sharders import (
+    FUSED_OPTIMIZERS,
+    apply_fused_optimizer,
+    check_fused_optimizer,
+    default_sharders,
+)
 
 #: Name of the communication-free start-up hook ETTStrategy calls on the LightningModule and
 #: the LightningDataModule while the process group forms (open datasets, warm loaders).
@@ -72,7 +79,8 @@ class ETTStrategy(ParallelStrategy):
         topology: the planner's ``Topology``; default: world size, ranks per node and device type
             of this job with TorchRec's default memory sizes (pass one to give the real HBM).
         fused_optimizer: optimizer the tables use, fused into backward: ``row_wise_adagrad``,
-            ``adagrad``, ``sgd`` or ``adam``. Dense parameters use ``configure_optimizers``.
+            ``adagrad``, ``sgd`` or ``adam`` (CUDA only: fbgemm's CPU kernels lack it). Dense
+            parameters use ``configure_optimizers``.
         fused_optimizer_kwargs: its hyper-parameters (default ``{"lr": 0.01}``).
         plan_cache_dir: directory of cached plans (shared by the job's attempts).
         planner_batch_size: per-rank batch size the planner's cost model assumes.
@@ -125,6 +133,7 @@ class ETTStrategy(ParallelStrategy):
         self._sharders: list[ModuleSharder[nn.Module]] = []
         self._dmp: DistributedModelParallel | None = None
         self._sigterm: sigterm.DeferredSigtermBroadcast | None = None
+        self._patches = Patches()
 
     # ------------------------------------------------------------------ topology
     @property
@@ -170,6 +179,7 @@ class ETTStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # selects the device (cuda.set_device on GPUs)
+        check_fused_optimizer(self.fused_optimizer, self.root_device.type)
         reset_seed()
         self.set_world_ranks()
         # Lightning's launcher does not set it; TorchRec then assumes 8 ranks per host.
@@ -377,7 +387,7 @@ class ETTStrategy(ParallelStrategy):
             raise TypeError("ETTStrategy.save_checkpoint(storage_options=...) is not supported: DCP writes the files.")
         checkpoint = dict(checkpoint)
         tensors = self.dcp_checkpoint_tensors(checkpoint)
-        ckpt.save_sharded(tensors, checkpoint, filepath, self.global_rank, self.barrier)
+        ckpt.save_sharded(tensors, checkpoint, filepath, self.global_rank, self.barrier, lambda obj: self.broadcast(obj, src=0))
 
     def dcp_checkpoint_tensors(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Take the sharded parts out of a Lightning ``checkpoint`` (in place) for a collective DCP write.
@@ -417,23 +427,25 @@ class ETTStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            ckpt.remove(Path(filepath))
+            remove_path(Path(filepath))
 
     @override
     def on_train_start(self) -> None:
         assert self.lightning_module is not None
         # Lightning has registered its signal handlers by now.
-        self._sigterm = sigterm.install(self.lightning_module.trainer)  # no blocking collective + .item() per step
+        self._sigterm = sigterm.install(self.lightning_module.trainer, self._patches)  # no collective + .item() per step
 
     @override
     def on_train_end(self) -> None:
         if self._sigterm is not None:
             self._sigterm.flush()  # no asynchronous broadcast left outstanding
+        self._patches.undo()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         if self._sigterm is not None:
             self._sigterm.flush()
+        self._patches.undo()
 
     @override
     def teardown(self) -> None:

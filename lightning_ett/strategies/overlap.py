@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_ett.timeline import Phase, get_timeline
+from lightning_ett.instrument.timeline import Phase, get_timeline
 
 
 class BackgroundTask:

@@ -4,15 +4,17 @@ Every rank runs the same deterministic planner on the same inputs, so no rank ha
 for rank 0 to broadcast a plan (``collective_plan``): planning can run before the process
 group exists. A cache keyed by everything the plan depends on (table configs, topology,
 sharders, constraints, world size, torchrec version) skips the planner on later starts.
-Cache files are pickles: they are read only from the configured directory.
+Cache files are pickles: they are read only from the configured directory (see :class:`PlanCache`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from lightning_ett.durable.files import atomic_write_bytes, set_aside
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
 
@@ -132,7 +136,12 @@ def check_plan_covers(plan: ShardingPlan, tables: dict[str, Any], source: str) -
 
 
 class PlanCache:
-    """A directory of plans, one file per :class:`PlanInputs` key, written atomically."""
+    """A directory of plans, one file per :class:`PlanInputs` key, written atomically.
+
+    An entry that does not load (torn, garbage, another torchrec's) or does not match this
+    job's inputs is named in a warning, moved aside, and the plan is computed again: a bad
+    cache file must never cost a job its restarts.
+    """
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
@@ -148,23 +157,29 @@ class PlanCache:
         path = self.path(inputs.key)
         if not path.exists():
             return None
-        with open(path, "rb") as f:
-            entry = pickle.load(f)  # noqa: S301 - only from the configured cache directory
-        if entry.get("key") != inputs.key or entry.get("inputs") != inputs:
-            raise ValueError(
-                f"Plan cache file {str(path)!r} was written for other inputs (tables, topology or sharders) than "
-                "this job's: delete it or use another plan_cache_dir."
-            )
-        plan: ShardingPlan = entry["plan"]
-        check_plan_covers(plan, tables, f"plan cache {str(path)!r}")
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f)
+            if not isinstance(entry, dict) or entry.get("key") != inputs.key or entry.get("inputs") != dataclasses.asdict(inputs):
+                raise ValueError("it was written for other inputs (tables, topology, sharders or torchrec version)")
+            plan = entry["plan"]
+            if not isinstance(plan, ShardingPlan):
+                raise TypeError(f"it holds a {type(plan).__name__}, not a ShardingPlan")
+            check_plan_covers(plan, tables, f"plan cache {str(path)!r}")
+        except Exception as e:  # noqa: BLE001 - any bad entry: say which, set it aside, plan again
+            self._set_aside(path, e)
+            return None
         return plan
 
+    def _set_aside(self, path: Path, error: Exception) -> None:
+        try:
+            moved = f"moved aside to {str(set_aside(path))!r}"
+        except OSError:
+            moved = "another rank moved it aside"
+        warnings.warn(f"ETTStrategy: ignoring the plan cache entry {str(path)!r} ({type(error).__name__}: {error}); "
+                      f"{moved}, planning again.", stacklevel=3)
+
     def store(self, inputs: PlanInputs, plan: ShardingPlan) -> Path:
-        path = self.path(inputs.key)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            pickle.dump({"key": inputs.key, "inputs": inputs, "plan": plan, "torch": torch.__version__}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return path
+        """Write the entry (plain dicts and TorchRec's plan: nothing of this package's, so it survives our refactors)."""
+        entry = {"key": inputs.key, "inputs": dataclasses.asdict(inputs), "plan": plan, "torch": torch.__version__}
+        return atomic_write_bytes(self.path(inputs.key), pickle.dumps(entry))

@@ -11,7 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _destroy_dist_connection, _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _get_default_process_group_backend_for_device,
+)
 from torch.distributed.constants import default_pg_timeout
 
 # Long enough for a worker thread already waiting for the GIL to take it and finish (it needs

@@ -22,6 +22,17 @@ FUSED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
+#: fbgemm's CPU embedding kernels (``use_cpu``) implement only these; its Adam is CUDA-only.
+CPU_FUSED_OPTIMIZERS = ("row_wise_adagrad", "adagrad", "sgd")
+
+
+def check_fused_optimizer(name: str, device_type: str) -> None:
+    """Fail before start-up, naming the argument, where fbgemm would assert deep inside DMP's sharding."""
+    if device_type == "cpu" and name not in CPU_FUSED_OPTIMIZERS:
+        raise ValueError(f"ETTStrategy(fused_optimizer={name!r}) is not supported on CPU: fbgemm's CPU embedding kernels "
+                         f"implement {', '.join(CPU_FUSED_OPTIMIZERS)} only ({name} needs CUDA). Pass one of those.")
+
+
 class CPURowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """TorchRec's EBC sharder, offering row-wise sharding on CPU too (TorchRec limits it to cuda/tpu)."""
 

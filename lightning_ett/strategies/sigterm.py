@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ett.patching import Patches
+
 log = logging.getLogger(__name__)
 
 
@@ -66,8 +68,8 @@ class DeferredSigtermBroadcast:
         self.requested = True
 
 
-def install(trainer: Any) -> DeferredSigtermBroadcast | None:
-    """Swap in the deferred check (call once Lightning has registered its signal handlers).
+def install(trainer: Any, patches: Patches) -> DeferredSigtermBroadcast | None:
+    """Swap in the deferred check (call once Lightning has registered its signal handlers); ``patches`` undoes it.
 
     Only where the process group carries CPU tensors (gloo) and this Lightning has the
     per-step broadcast and a SIGTERM handler of the known shape; otherwise Lightning's own
@@ -85,6 +87,6 @@ def install(trainer: Any) -> DeferredSigtermBroadcast | None:
     if not hasattr(loop, "_broadcast_sigterm_tensor") or not isinstance(handlers, list) or notifier not in handlers:
         return None
     replacement = DeferredSigtermBroadcast(trainer, connector)
-    handler.signal_handlers = [replacement.record_sigterm if h == notifier else h for h in handlers]
-    loop._broadcast_sigterm_tensor = replacement
+    patches.setattr(handler, "signal_handlers", [replacement.record_sigterm if h == notifier else h for h in handlers])
+    patches.setattr(loop, "_broadcast_sigterm_tensor", replacement)
     return replacement

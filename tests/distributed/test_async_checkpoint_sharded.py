@@ -11,8 +11,8 @@ import torch
 from conftest import SCRIPTS, run_script
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from lightning_ett import checkpoint_format as fmt
-from lightning_ett.ledger import read_ledger
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.instrument.ledger import read_ledger
 
 JOB = str(SCRIPTS / "ett_job.py")
 

@@ -7,10 +7,11 @@ import json
 import time
 
 import pytest
-
 from conftest import REPO, run_script
-from lightning_ett import checkpoint_format, summarize_run_dir
-from lightning_ett.ledger import read_ledger
+
+from lightning_ett import summarize_run_dir
+from lightning_ett.checkpoint import layout as checkpoint_format
+from lightning_ett.instrument.ledger import read_ledger
 
 
 def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_path):
@@ -56,6 +57,6 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
     assert any(r.get("val/auroc") for r in rows) and any(r.get("val/ne") for r in rows)
     assert any(r.get("ett/percent") for r in rows)
 
-    report = run_script("-m", "lightning_ett.cli", "report", str(run_dir))
+    report = run_script("-m", "lightning_ett.launch.cli", "report", str(run_dir))
     assert report.returncode == 0 and "train" in report.stdout
     assert json.loads((run_dir / "ett_summary.json").read_text())["attempts"] == 1

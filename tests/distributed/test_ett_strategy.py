@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SCRIPTS, run_script
+
 from lightning_ett import summarize_run_dir
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.instrument.ledger import read_ledger
 
 JOB = str(SCRIPTS / "ett_job.py")
 
@@ -40,8 +43,8 @@ def test_sharded_dlrm_trains_and_the_loss_falls(tmp_path, sharding_type):
 
 def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert sorted(a) == sorted(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
 
 
 @pytest.mark.parametrize("dense_optimizer", ["adam", "adagrad"])  # lazy and eager optimizer state
@@ -51,6 +54,7 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path,
     full = run_job(tmp_path / "full", *opt, "--max-steps", "12", "--save-every", "6", "--ckpt-dir", str(ckpt))
     assert (ckpt / "step6.ckpt" / "lightning.pt").is_file() and (ckpt / "step6.ckpt" / ".metadata").is_file()
     assert not list(ckpt.glob("*.tmp"))  # nothing half-written left behind
+    assert fmt.verify(ckpt / "step6.ckpt") is None  # trainer.save_checkpoint commits with a manifest, as AsyncCheckpoint does
     resumed = run_job(tmp_path / "resumed", *opt, "--max-steps", "12", "--resume", str(ckpt / "step6.ckpt"))
     for a, b in zip(full, resumed):
         assert b["global_step"] == 12 and len(b["losses"]) == 6
@@ -65,6 +69,14 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path,
     assert len(one) == 1 and one[0]["world_size"] == 1
     union = {**at_six[0]["model"], **at_six[1]["model"]}
     _assert_same_state(union, one[0]["model"])
+
+    # A file of that checkpoint truncated: the load fails on every rank, naming the file.
+    shard = next((ckpt / "step6.ckpt").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = run_script(JOB, "--out", str(tmp_path / "torn"), *opt, "--max-steps", "12", "--resume", str(ckpt / "step6.ckpt"),
+                      timeout=300)
+    assert proc.returncode != 0
+    assert f"{str(ckpt / 'step6.ckpt')!r} is not a complete checkpoint: {shard.name} has 100 bytes" in proc.stderr
 
 
 def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_path):
@@ -92,7 +104,13 @@ def test_a_model_without_torchrec_modules_trains_data_parallel(tmp_path):
         assert json.loads((tmp_path / "report" / f"rank{rank}.json").read_text())["sampler"] == "DistributedSampler"
     assert "no TorchRec embedding modules" in proc.stderr
     assert (tmp_path / "ckpt" / "last.ckpt" / "lightning.pt").is_file()
-    assert sorted(lg.rank for lg in __import__("lightning_ett").ledger.read_ledger(tmp_path / "run")) == [0, 1]
+    assert sorted(lg.rank for lg in read_ledger(tmp_path / "run")) == [0, 1]
+    # DDP inside DMP keeps the replicas equal, and the checkpoint (step 6, the last) holds exactly that state.
+    params = [torch.load(tmp_path / "report" / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert params[0].keys() == params[1].keys() and all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    saved = fmt.load_unsharded(tmp_path / "ckpt" / "last.ckpt")
+    assert saved["global_step"] == 6
+    assert all(torch.equal(saved["state_dict"][k], params[0][k]) for k in params[0])
 
 
 def test_runs_under_torchrun(tmp_path):
@@ -109,8 +127,7 @@ def test_sigterm_on_rank_zero_stops_every_rank_without_a_blocking_collective_per
     proc = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", JOB, "--out", str(tmp_path),
                       "--max-steps", "200", "--sigterm-at", "5", timeout=300)
     assert "[rank: 1] Received SIGTERM" not in proc.stderr
-    steps = {lg.rank: max(e["step"] for e in lg.events if e["phase"] == "train")
-             for lg in __import__("lightning_ett").ledger.read_ledger(tmp_path / "ett")}
+    steps = {lg.rank: max(e["step"] for e in lg.events if e["phase"] == "train") for lg in read_ledger(tmp_path / "ett")}
     assert sorted(steps) == [0, 1]
     # The flag travels every `interval` (8) steps and is read at the next one: stop within 2 intervals, not at 200.
     assert all(5 <= last <= 5 + 2 * 8 for last in steps.values()), steps
@@ -142,3 +159,38 @@ def test_tables_built_in_setup_are_planned_after_the_overlap_window(tmp_path):
     assert "no TorchRec embedding modules" not in proc.stderr
     ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
     assert all(r["plan_source"] == "planner" and "t0" in r["plan"] and "table_wise" in r["plan"] for r in ranks)
+
+
+def test_each_fused_optimizer_trains_the_tables_and_accumulation_is_warned_about(tmp_path):
+    # One rank: fbgemm's CPU kernels; adagrad and sgd (row_wise_adagrad is every other test's).
+    proc = run_script(str(SCRIPTS / "fused_optimizers_job.py"), "--out", str(tmp_path), "--optimizers", "adagrad,sgd",
+                      "--accumulate", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("adagrad", "sgd")}
+    for name, r in results.items():
+        assert r["tables"] == 4 and r["tables_moved"], name
+        assert r["last_loss"] < r["first_loss"], (name, r)
+    assert results["adagrad"]["fused_state"] == ["momentum1"] and results["sgd"]["fused_state"] == []
+    assert "`accumulate_grad_batches > 1` accumulates only the dense gradients" in proc.stderr
+
+
+def test_adam_on_cpu_is_refused_naming_the_argument_before_start_up():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ett import ETTStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ETTStrategy(fused_optimizer="adam"), max_steps=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"ETTStrategy\(fused_optimizer='adam'\) is not supported on CPU"):
+        trainer.fit(BoringModel())
+
+
+def test_a_failed_background_write_raises_on_every_rank(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_script(JOB, "--out", str(tmp_path / "out"), "--max-steps", "12", "--async-every", "4",
+                      "--ckpt-dir", str(ckpt), "--block-tmp-of", "4", timeout=300)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: lightning_ett.checkpoint.writer.CheckpointWriteError" in proc.stderr, proc.stderr[-4000:]
+    assert "step-000000004" in proc.stderr and not list(ckpt.glob("step-000000004"))

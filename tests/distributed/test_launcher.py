@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, SCRIPTS, clean_env, run_script
 
 from lightning_ett import summarize_run_dir
-from lightning_ett.ledger import read_launcher_records, read_ledger
+from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
 
 LIGHTNING = str(Path(sys.executable).parent / "lightning")

@@ -6,7 +6,7 @@ import json
 
 from conftest import SCRIPTS, run_script
 
-from lightning_ett import checkpoint_format as fmt
+from lightning_ett.checkpoint import layout as fmt
 
 
 def test_a_published_model_loaded_with_torch_and_torchrec_alone_predicts_what_the_sharded_model_did(tmp_path):

@@ -62,17 +62,23 @@ class Faults(Callback):
 
 
 class BreakPublishDir(Callback):
-    """Put a file where the publish directory was: every later publish fails (an unwritable target)."""
+    """Put a file where the publish directory was (every later publish fails), or just empty it."""
 
-    def __init__(self, at: int, path: Path) -> None:
-        self.at, self.path = at, path
+    def __init__(self, at: int, path: Path, empty_only: bool = False) -> None:
+        self.at, self.path, self.empty_only = at, path, empty_only
 
     def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
         if trainer.global_step == self.at and self.path.is_dir():
             import shutil
 
+            deadline = time.time() + 60
+            while self.empty_only and not (self.path / "latest").exists() and time.time() < deadline:
+                time.sleep(0.05)  # something was published before the directory is emptied
             shutil.rmtree(self.path)
-            self.path.write_text("not a directory")
+            if self.empty_only:
+                self.path.mkdir()
+            else:
+                self.path.write_text("not a directory")
 
 
 def main() -> None:
@@ -98,6 +104,7 @@ def main() -> None:
     p.add_argument("--publish-strict", action="store_true")
     p.add_argument("--publish-keep", type=int, default=5)
     p.add_argument("--break-publish-dir-at", type=int, default=None, help="replace the publish dir by a file at this step")
+    p.add_argument("--empty-publish-dir-at", type=int, default=None, help="delete everything in the publish dir at this step")
     args = p.parse_args()
 
     out, ckpt_dir = Path(args.out), Path(args.ckpt_dir)
@@ -113,6 +120,8 @@ def main() -> None:
                                         metrics=[m for m in args.publish_metrics.split(",") if m]))
         if args.break_publish_dir_at is not None:
             callbacks.append(BreakPublishDir(args.break_publish_dir_at, Path(args.publish_dir)))
+        if args.empty_publish_dir_at is not None:
+            callbacks.append(BreakPublishDir(args.empty_publish_dir_at, Path(args.publish_dir), empty_only=True))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
                       max_steps=args.max_steps, callbacks=callbacks,
                       logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, enable_progress_bar=False,

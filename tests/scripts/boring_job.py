@@ -100,6 +100,8 @@ def main() -> None:
         sampler = type(trainer.train_dataloader.sampler).__name__
         Path(args.report).mkdir(parents=True, exist_ok=True)
         (Path(args.report) / f"rank{trainer.global_rank}.json").write_text(json.dumps({"sampler": sampler}))
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   Path(args.report) / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

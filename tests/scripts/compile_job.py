@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ett import CompileCache, DynamicShapes, ETTMonitor
-from lightning_ett.compile_events import compile_tracker
+from lightning_ett.instrument.compile_events import compile_tracker
 
 
 class Batches(Dataset):

@@ -112,6 +112,17 @@ class SyncReference(Callback):
             trainer.save_checkpoint(self.path)
 
 
+class BlockSave(Callback):
+    """A file where the background write of ``step`` needs its directory: a real OS error on every rank."""
+
+    def __init__(self, step: int, ckpt_dir: Path) -> None:
+        self.step, self.ckpt_dir = step, ckpt_dir
+
+    def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
+        if trainer.global_step == 1 and trainer.global_rank == 0:
+            (self.ckpt_dir / f"step-{self.step:09d}.tmp").write_text("not a directory")
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, value in module.state_dict().items():
@@ -150,10 +161,11 @@ def main() -> None:
     p.add_argument("--fail-at", type=int, default=None, help="raise in training_step at this step, on every attempt")
     p.add_argument("--publish-dir", default=None, help="ModelPublisher(dirpath=..., submodule='dlrm')")
     p.add_argument("--predict-out", default=None, help="after fit, each rank's predictions on an eval batch go here")
+    p.add_argument("--block-tmp-of", type=int, default=None, help="rank 0 puts a file where the save of this step writes")
     args = p.parse_args()
 
     out = Path(args.out)
-    if args.rank1_sharding_type and int(os.environ.get("LOCAL_RANK", 0)) == 1:
+    if args.rank1_sharding_type and int(os.environ.get("LOCAL_RANK", "0")) == 1:
         args.sharding_type = args.rank1_sharding_type
     strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache, fused_optimizer="row_wise_adagrad",
                            fused_optimizer_kwargs={"lr": 0.05})
@@ -168,6 +180,8 @@ def main() -> None:
         callbacks.append(ModelPublisher(args.publish_dir, submodule="dlrm", metrics=["loss"], strict=True))
     if args.sync_ref_at is not None:
         callbacks.append(SyncReference(args.sync_ref_at, out / "ref"))
+    if args.block_tmp_of is not None:
+        callbacks.append(BlockSave(args.block_tmp_of, Path(args.ckpt_dir)))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),

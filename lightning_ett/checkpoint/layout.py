@@ -1,0 +1,137 @@
+"""The on-disk checkpoint format shared by ETTStrategy's save and AsyncCheckpoint, and how one is chosen.
+
+A checkpoint is a directory:
+
+* DCP files (``.metadata``, ``__<rank>_<i>.distcp``) for the tensors that dominate its size:
+  ``{"model": ...}`` and, under ETTStrategy, ``{"fused": ...}`` (the fused embedding
+  optimizer). Sharded tables are ShardedTensors, so DCP reshards them on load.
+* ``lightning.pt``: everything else Lightning puts in a checkpoint (loops, callbacks,
+  optimizer states, schedulers). ``torch.save`` keeps the optimizers' integer keys that DCP
+  would turn into strings.
+* ``manifest.json``, written last by the one commit protocol
+  (:mod:`lightning_ett.durable.commit`): global step, time, commit sequence, and the size and
+  CRC-32 of every other file. A directory is *complete* only with a manifest that matches
+  its files; nothing else is ever loaded.
+
+AsyncCheckpoint names its checkpoints ``step-<global step>`` and keeps ``latest`` pointing at
+the newest; ``trainer.save_checkpoint`` keeps the name it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_ett.durable import manifest
+from lightning_ett.durable.commit import recover_replaced
+from lightning_ett.durable.manifest import MANIFEST_FILE, read_manifest
+
+META_FILE = "lightning.pt"
+LATEST_FILE = "latest"
+#: In a committed checkpoint: ModelPublisher is reading it, retention keeps it (not part of the manifest).
+PIN_FILE = ".publisher-pin"
+FORMAT = "ett-dcp-v1"
+STEP_PATTERN = "step-*"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def verify(directory: Path, checksums: bool = True) -> str | None:
+    """``None`` if ``directory`` is a complete checkpoint, else what is wrong with it, naming the file."""
+    return manifest.verify(directory, FORMAT, checksums)
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    path: Path
+    step: int
+    seq: int  # commit number: later commits are newer, whatever their step
+
+
+def committed(root: Path) -> list[CheckpointEntry]:
+    """Renamed (committed) checkpoint directories under ``root``, oldest commit first, unverified."""
+    if not root.is_dir():
+        return []
+    entries = []
+    for d in root.iterdir():
+        m = _NAME.match(d.name)
+        if m and d.is_dir() and (d / MANIFEST_FILE).is_file():
+            seq = (read_manifest(d, FORMAT) or {}).get("seq")
+            entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0))
+    return sorted(entries, key=lambda e: (e.seq, e.step))
+
+
+def next_seq(entries: list[CheckpointEntry]) -> int:
+    return max((e.seq for e in entries), default=0) + 1
+
+
+def newest_complete(root: Path, checksums: bool = True) -> Path | None:
+    """The newest checkpoint under ``root`` that passes :func:`verify`; warns about each one skipped."""
+    for entry in reversed(committed(root)):
+        problem = verify(entry.path, checksums)
+        if problem is None:
+            return entry.path
+        warnings.warn(f"Skipping checkpoint {str(entry.path)!r}: {problem}. Trying an older one.", stacklevel=2)
+    return None
+
+
+def to_delete(entries: list[CheckpointEntry], keep_last_n: int | None) -> list[CheckpointEntry]:
+    """Retention: the checkpoints beyond the ``keep_last_n`` newest commits, except pinned ones.
+
+    ``entries`` are oldest commit first and end with the newest, which is never returned. A
+    checkpoint ModelPublisher has pinned (:data:`PIN_FILE`) stays until it is unpinned.
+    """
+    if keep_last_n is None:
+        return []
+    return [e for e in entries[:-keep_last_n] if not (e.path / PIN_FILE).exists()]
+
+
+def looks_like_checkpoint(path: str | os.PathLike) -> bool:
+    """A directory in this format (complete or not): DCP metadata, or a manifest of ours."""
+    p = Path(path)
+    return p.is_dir() and ((p / ".metadata").is_file() or (p / MANIFEST_FILE).is_file() or (p / META_FILE).is_file())
+
+
+def require_complete(path: str | os.PathLike) -> Path:
+    """``path`` if it is a complete checkpoint (restoring a copy a crash left aside); else raise naming the file."""
+    path = Path(path)
+    restored = recover_replaced(path, FORMAT)
+    if restored is not None:
+        warnings.warn(f"Checkpoint {str(path)!r}: {restored}.", stacklevel=2)
+    problem = verify(path, checksums=False)
+    if problem is None:
+        return path
+    hint = ""
+    if (path / META_FILE).is_file() and not (path / MANIFEST_FILE).exists():
+        hint = (" A directory with lightning.pt but no manifest is either unfinished or was written by "
+                "lightning-ett 0.1's trainer.save_checkpoint, which wrote none: if you know it is complete, "
+                f"`python -m lightning_ett.checkpoint.adopt {str(path)!r}` checksums it and writes one.")
+    raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint: {problem}.{hint}")
+
+
+def load_meta(path: Path) -> dict[str, Any]:
+    """``lightning.pt`` of a complete checkpoint (everything but the DCP tensors)."""
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def load_unsharded(path: str | os.PathLike) -> dict[str, Any]:
+    """A whole Lightning checkpoint dict from a directory written without a sharded model.
+
+    The model's tensors are read in full (no target state dict needed), so any strategy
+    that keeps a full copy of the model (single device, DDP) can load it.
+    """
+    from lightning_ett.checkpoint.dcp_io import read_whole
+
+    path = require_complete(path)
+    checkpoint = load_meta(path)
+    checkpoint["state_dict"] = read_whole(path, "model")
+    return checkpoint

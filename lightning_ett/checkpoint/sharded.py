@@ -1,0 +1,119 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory:
+
+* DCP files for the model (sharded tables as ShardedTensors, dense tensors deduplicated)
+  and the fused embedding optimizer's state; DCP reshards them on load, so a checkpoint
+  written by N ranks loads on M.
+* ``lightning.pt`` (rank 0): everything else Lightning puts in a checkpoint — loops,
+  callbacks, schedulers — and the dense optimizers' state keyed by parameter name (dense
+  parameters are replicated, so one copy serves any world size).
+
+Saved through the same commit protocol as AsyncCheckpoint's (a manifest with checksums,
+an atomic rename): a directory without a valid manifest is refused on load, naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_ett.checkpoint import dcp_io
+from lightning_ett.checkpoint.layout import FORMAT, META_FILE, committed, next_seq, require_complete
+from lightning_ett.checkpoint.layout import load_meta as read_meta
+from lightning_ett.checkpoint.writer import CheckpointWriteError
+from lightning_ett.durable.commit import commit_directory, temp_path
+from lightning_ett.durable.errors import explain
+from lightning_ett.durable.files import remove_path
+
+MODEL_KEY = "state_dict"
+DENSE_KEY = "optimizer_states"
+
+
+def _position_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
+    """Parameter names in the order ``optimizer.state_dict()`` numbers the parameters."""
+    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+
+
+def name_keyed_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names instead of positions, so it survives re-wrapping."""
+    state = optimizer.state_dict()
+    index_to_name = dict(enumerate(_position_names(optimizer, names)))
+    return {
+        "state": {index_to_name[i]: s for i, s in state["state"].items()},
+        "param_groups": [dict(g, params=[index_to_name[i] for i in g["params"]]) for g in state["param_groups"]],
+    }
+
+
+def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any], names: dict[int, str]) -> None:
+    name_to_index = {name: index for index, name in enumerate(_position_names(optimizer, names))}
+    missing = sorted(set(saved["state"]) - set(name_to_index))
+    if missing:
+        raise KeyError(f"Checkpointed optimizer state for parameters this optimizer does not hold: {missing[:5]}")
+    optimizer.load_state_dict(
+        {
+            "state": {name_to_index[n]: s for n, s in saved["state"].items()},
+            "param_groups": [dict(g, params=[name_to_index[n] for n in g["params"]]) for g in saved["param_groups"]],
+        }
+    )
+
+
+def save_sharded(tensors: dict[str, Any], checkpoint: dict[str, Any], path: str | os.PathLike, rank: int,
+                 barrier: Callable[[], None], broadcast: Callable[[Any], Any]) -> None:
+    """Write ``tensors`` with DCP and ``checkpoint`` (the rest) as ``lightning.pt``, then commit (collective).
+
+    Every rank writes its shards into ``<path>.tmp``; rank 0 writes ``lightning.pt`` and commits
+    through the one protocol (:func:`lightning_ett.durable.commit.commit_directory`): fsync,
+    manifest, rename, the old copy moved aside meanwhile. Rank 0's error, if any, is raised on
+    every rank (a lone raise would leave the others waiting in the next collective).
+    """
+    final = Path(path).absolute()
+    tmp = temp_path(final)
+    error: str | None = None
+    if rank == 0:
+        remove_path(tmp)
+    barrier()
+    try:
+        dcp_io.write(tensors, tmp)
+    except BaseException as e:
+        raise CheckpointWriteError(f"Writing checkpoint {str(final)!r} failed: {explain(e, tmp)}") from e
+    if rank == 0:
+        try:
+            torch.save(checkpoint, tmp / META_FILE)
+            entries = committed(final.parent)
+            commit_directory(tmp, final, FORMAT, {"global_step": int(checkpoint.get("global_step", 0)),
+                                                  "time": time.time(), "seq": next_seq(entries)})
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = explain(e, tmp)
+    error = broadcast(error)
+    if error is not None:
+        raise CheckpointWriteError(f"Committing checkpoint {str(final)!r} failed on rank 0: {error}")
+
+
+def load_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """``lightning.pt`` of a complete checkpoint, with the directory it came from (for the DCP loads)."""
+    path = require_complete(path)
+    meta = read_meta(path)
+    meta["ett_checkpoint_dir"] = str(path)
+    return meta
+
+
+def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> None:
+    target = {"model": model.state_dict()}
+    dcp_io.load_into(target, Path(path))
+    model.load_state_dict(target["model"], strict=strict)
+
+
+def load_fused(path: str | os.PathLike, fused: Any) -> None:
+    if hasattr(fused, "init_state") and not fused.state_dict().get("state"):
+        fused.init_state()  # KeyedOptimizer state is lazy: build it, or DCP has no targets to fill
+    target = {"fused": fused.state_dict()}
+    dcp_io.load_into(target, Path(path))
+    fused.load_state_dict(target["fused"])

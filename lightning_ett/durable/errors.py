@@ -1,0 +1,69 @@
+"""Say what went wrong with a write in words a user can act on.
+
+Two libraries hide the cause: ``torch.save`` reports a full disk as
+``[enforce fail at inline_container.cc] . unexpected pos N vs M`` (the ``errno`` is lost in
+C++), and DCP wraps every rank's error in a ``CheckpointException`` whose text is a
+traceback. :func:`explain` unwraps both and names the path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+#: Below this many free bytes a failed write is taken to be a full disk.
+_FULL_DISK_BYTES = 4 << 20
+_TORCH_WRITE_FAILURE = ("unexpected pos", "PytorchStreamWriter failed", "inline_container")
+
+
+class ExplainedError(RuntimeError):
+    """An error whose message already says what went wrong in the user's terms: :func:`explain` keeps it."""
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost error: through DCP's ``CheckpointException`` and ``raise ... from`` chains."""
+    seen: set[int] = set()
+    while id(error) not in seen and not isinstance(error, ExplainedError):
+        seen.add(id(error))
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+                error = first[0]
+                continue
+        if isinstance(error, OSError):
+            return error
+        inner = error.__cause__  # explicit chaining only: a handler's own error is not caused by what it handled
+        if inner is None:
+            return error
+        error = inner
+    return error
+
+
+def _free_bytes(path: Path) -> int | None:
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def explain(error: BaseException, path: str | os.PathLike | None = None) -> str:
+    """One line: what failed and where, e.g. ``No space left on device (ENOSPC) writing '/ckpt/step-12.tmp'``."""
+    cause = root_cause(error)
+    where = f" writing {str(path)!r}" if path is not None else ""
+    if isinstance(cause, OSError) and cause.errno is not None:
+        name = errno.errorcode.get(cause.errno, str(cause.errno))
+        target = cause.filename or path
+        at = f" at {str(target)!r}" if target is not None else ""
+        return f"{os.strerror(cause.errno)} ({name}){at}"
+    text = str(cause).strip().splitlines()
+    first = text[0] if text else ""
+    if path is not None and any(marker in str(cause) for marker in _TORCH_WRITE_FAILURE):
+        free = _free_bytes(Path(path))
+        if free is not None and free < _FULL_DISK_BYTES:
+            return f"No space left on device (ENOSPC){where}: {free} bytes free on its filesystem"
+    return f"{type(cause).__name__}: {first[:500]}{where}"

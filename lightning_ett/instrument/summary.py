@@ -1,0 +1,279 @@
+"""Merge ranks and attempts into the job's ETT%: effective, lost, and where the rest went.
+
+Rules (also in the README's "How ETT% is measured"):
+
+* The job's wall time runs from the earliest job start any attempt was given to the last
+  event any rank recorded.
+* On each rank the innermost event owns the time it covers (a checkpoint save inside a
+  training-step interval is ``checkpoint_save``, not ``train``). Time no event covers is
+  ``launch`` before an attempt's first event (restart downtime included), ``shutdown`` after
+  a rank's last event of the job, and ``other`` anywhere else.
+* A training step run in an attempt is ``lost`` when a later attempt ran from that step or
+  earlier again: its result was discarded. Each step thus counts as effective once, in the
+  attempt whose result the job kept.
+* Job-level phase seconds are the mean over ranks, so they add up to the wall time.
+* Under ``lightning run`` the launcher's records widen the wall time to its own start and
+  end, and say why each failed attempt ended.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_ett.durable.files import atomic_write_json
+from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger
+from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase
+
+SUMMARY_FILE = "ett_summary.json"
+
+
+@dataclass
+class Segment:
+    phase: str
+    start: float
+    end: float
+
+
+@dataclass
+class AttemptInfo:
+    attempt: int
+    start: float
+    end: float
+    ranks: list[int]
+    first_step: int | None
+    last_step: int | None
+    completed: bool
+    failure: str | None = None
+
+
+@dataclass
+class Summary:
+    job_start: float
+    job_end: float
+    phases: dict[str, float]
+    attempts: list[AttemptInfo]
+    per_rank: dict[int, dict[str, float]]
+    segments: dict[int, list[Segment]] = field(repr=False)
+    torn_records: int = 0
+    outcome: str | None = None  # the launcher's last word: "finished", "gave up after ...", ...
+    facts: list[dict[str, Any]] = field(default_factory=list)  # Timeline.fact records of every rank, by time
+
+    def facts_named(self, name: str) -> list[dict[str, Any]]:
+        return [f for f in self.facts if f.get("name") == name]
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.job_end - self.job_start, 0.0)
+
+    @property
+    def effective_s(self) -> float:
+        return self.phases.get(Phase.TRAIN.value, 0.0)
+
+    @property
+    def lost_s(self) -> float:
+        return self.phases.get(LOST, 0.0)
+
+    @property
+    def ett_percent(self) -> float:
+        return 100.0 * self.effective_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def completed(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1].completed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ett_percent": round(self.ett_percent, 3),
+            "wall_s": round(self.wall_s, 3),
+            "effective_s": round(self.effective_s, 3),
+            "lost_s": round(self.lost_s, 3),
+            "attempts": len(self.attempts),
+            "completed": self.completed,
+            "job_start": self.job_start,
+            "job_end": self.job_end,
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "per_rank": {str(r): {k: round(v, 3) for k, v in p.items()} for r, p in self.per_rank.items()},
+            "attempt_details": [vars(a) for a in self.attempts],
+            "torn_records": self.torn_records,
+            "outcome": self.outcome,
+            "facts": self.facts,
+        }
+
+    def write_json(self, run_dir: str | os.PathLike) -> Path:
+        """Write ``ett_summary.json`` atomically, so readers never see half."""
+        return atomic_write_json(Path(run_dir) / SUMMARY_FILE, self.to_dict(), indent=2)
+
+
+def _train_steps(ledger: RankLedger) -> list[int]:
+    return [e["step"] for e in ledger.events if e["phase"] == Phase.TRAIN.value and e.get("step") is not None]
+
+
+def _resume_steps(ledgers: list[RankLedger], later_resume_step: int | None) -> dict[int, int]:
+    """For each attempt, the lowest step any later attempt (re)started from."""
+    first_step: dict[int, int] = {}
+    for ledger in ledgers:
+        steps = _train_steps(ledger)
+        if steps:
+            first_step[ledger.attempt] = min(first_step.get(ledger.attempt, steps[0]), min(steps))
+    attempts = sorted({ledger.attempt for ledger in ledgers})
+    resume: dict[int, int] = {}
+    running_min = later_resume_step
+    for attempt in reversed(attempts):
+        if running_min is not None:
+            resume[attempt] = running_min
+        if attempt in first_step:
+            running_min = first_step[attempt] if running_min is None else min(running_min, first_step[attempt])
+    return resume
+
+
+def _innermost(events: list[tuple[str, float, float]]) -> list[Segment]:
+    """Split overlapping events into segments owned by the innermost (latest-started) event."""
+    if not events:
+        return []
+    events = sorted(events, key=lambda e: (e[1], -e[2]))
+    bounds = sorted({t for _, s, e in events for t in (s, e)})
+    segments: list[Segment] = []
+    heap: list[tuple[float, float, float, str]] = []  # (-start, duration, end, phase)
+    i = 0
+    for lo, hi in itertools.pairwise(bounds):
+        while i < len(events) and events[i][1] <= lo:
+            phase, s, e = events[i]
+            heapq.heappush(heap, (-s, e - s, e, phase))
+            i += 1
+        while heap and heap[0][2] <= lo:
+            heapq.heappop(heap)
+        phase = heap[0][3] if heap else Phase.OTHER.value
+        if segments and segments[-1].phase == phase and segments[-1].end == lo:
+            segments[-1].end = hi
+        else:
+            segments.append(Segment(phase, lo, hi))
+    return segments
+
+
+def _rank_segments(
+    ledgers: list[RankLedger], resume: dict[int, int], job_start: float, job_end: float
+) -> list[Segment]:
+    segments: list[Segment] = []
+    cursor = job_start
+    for ledger in sorted(ledgers, key=lambda lg: lg.attempt):
+        cutoff = resume.get(ledger.attempt)
+        events = []
+        for e in ledger.events:
+            start, end = max(e["start"], cursor), e["end"]
+            if end <= start:
+                continue
+            phase = e["phase"]
+            if phase == Phase.TRAIN.value and cutoff is not None and e.get("step") is not None and e["step"] >= cutoff:
+                phase = LOST
+            events.append((phase, start, end))
+        own = _innermost(events)
+        if not own:
+            continue
+        if own[0].start > cursor:
+            segments.append(Segment(Phase.LAUNCH.value, cursor, own[0].start))
+        segments.extend(own)
+        cursor = own[-1].end
+    if cursor < job_end:
+        segments.append(Segment(Phase.SHUTDOWN.value, cursor, job_end))
+    return segments
+
+
+def summarize(
+    ledgers: list[RankLedger],
+    later_resume_step: int | None = None,
+    now: float | None = None,
+    launcher: list[dict[str, Any]] | None = None,
+) -> Summary:
+    """Compute the job summary from ledgers (see the module docstring for the rules).
+
+    ``later_resume_step`` lets a running attempt count its predecessors' lost steps before it
+    has written any; ``now`` extends the wall time of a running job to the present;
+    ``launcher`` are the launcher's records (:func:`lightning_ett.instrument.ledger.read_launcher_records`).
+    """
+    launcher = launcher or []
+    starts = [lg.header.get("job_start") for lg in ledgers if lg.header.get("job_start") is not None]
+    starts += [e["start"] for lg in ledgers for e in lg.events]
+    starts += [r[k] for r in launcher if r.get("kind") == "launch" for k in ("job_start", "time") if k in r]
+    ends = [e["end"] for lg in ledgers for e in lg.events]
+    ends += [r["time"] for r in launcher if r.get("kind") in ("failure", "end")]
+    if not starts or not ends:
+        raise ValueError("The ledger has no events yet: nothing to summarize.")
+    job_start, job_end = min(starts), max(ends + ([now] if now is not None else []))
+    resume = _resume_steps(ledgers, later_resume_step)
+
+    by_rank: dict[int, list[RankLedger]] = {}
+    for ledger in ledgers:
+        by_rank.setdefault(ledger.rank, []).append(ledger)
+    segments = {rank: _rank_segments(lgs, resume, job_start, job_end) for rank, lgs in sorted(by_rank.items())}
+    per_rank: dict[int, dict[str, float]] = {}
+    for rank, segs in segments.items():
+        totals = dict.fromkeys(PHASE_NAMES, 0.0)
+        for seg in segs:
+            totals[seg.phase] += seg.end - seg.start
+        per_rank[rank] = totals
+    phases = {name: sum(p[name] for p in per_rank.values()) / max(len(per_rank), 1) for name in PHASE_NAMES}
+    if not any(lg.events for lg in ledgers):  # no rank got as far as recording: the job never left launch
+        phases[Phase.LAUNCH.value] = job_end - job_start
+    ends_said = [r for r in launcher if r.get("kind") == "end"]
+    outcome = ends_said[-1].get("reason") if ends_said else None
+    facts = sorted((f for lg in ledgers for f in lg.facts), key=lambda f: f.get("time", 0.0))
+    return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
+                   sum(lg.torn_lines for lg in ledgers), outcome, facts)
+
+
+def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
+    """Attempts the launcher saw end with exit code 0 (its ``end`` record follows their start):
+    finished even if no rank recorded a status (a script that exits before training)."""
+    finished, current = set(), None
+    for r in launcher:  # by time
+        if r.get("kind") == "attempt":
+            current = int(r["attempt"])
+        elif r.get("kind") == "end" and r.get("exitcode") == 0 and current is not None:
+            finished.add(current)
+    return finished
+
+
+def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list[AttemptInfo]:
+    started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
+    finished = _finished_by_launcher(launcher)
+    failures: dict[int, list[dict[str, Any]]] = {}
+    for r in launcher:
+        if r.get("kind") == "failure":
+            failures.setdefault(int(r["attempt"]), []).append(r)
+    infos = []
+    for attempt in sorted({lg.attempt for lg in ledgers} | set(started)):
+        group = [lg for lg in ledgers if lg.attempt == attempt and lg.events]
+        said = failures.get(attempt, [])
+        if said:
+            failure = "; ".join(f"rank {r['rank']} {r['reason']}" for r in said if r.get("root_cause", True))
+        else:
+            failure = "; ".join(f"rank {lg.rank} {lg.reason}" for lg in group if lg.status == "failed" and lg.reason) or None
+        if not group:
+            if attempt not in started:
+                continue
+            end = max([r["time"] for r in said] + [started[attempt]])
+            infos.append(AttemptInfo(attempt, started[attempt], end, [], None, None, attempt in finished, failure))
+            continue
+        steps = [s for lg in group for s in _train_steps(lg)]
+        infos.append(
+            AttemptInfo(
+                attempt=attempt,
+                start=min(e["start"] for lg in group for e in lg.events),
+                end=max(e["end"] for lg in group for e in lg.events),
+                ranks=sorted(lg.rank for lg in group),
+                first_step=min(steps) if steps else None,
+                last_step=max(steps) if steps else None,
+                completed=any(lg.status == "finished" for lg in group) or (attempt in finished and not said),
+                failure=failure,
+            )
+        )
+    return infos
+
+
+def summarize_run_dir(run_dir: str | os.PathLike, now: float | None = None) -> Summary:
+    return summarize(read_ledger(run_dir), now=now, launcher=read_launcher_records(run_dir))

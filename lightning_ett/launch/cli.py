@@ -1,0 +1,202 @@
+"""``lightning-ett`` / ``lightning`` command line: ``run`` starts a job, ``report`` reads its ledger back.
+
+Argument checks happen here, before torch is imported, so a typo fails in a fraction of a
+second with the option named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from lightning_ett.launch.launcher import LaunchOptions
+
+
+def _report(args: argparse.Namespace) -> int:
+    from lightning_ett.instrument.report import REPORT_PNG, write_report
+    from lightning_ett.instrument.summary import SUMMARY_FILE, summarize_run_dir
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"lightning-ett report: RUN_DIR {str(run_dir)!r} is not a directory.", file=sys.stderr)
+        return 2
+    try:
+        summary = summarize_run_dir(run_dir, now=time.time() if args.now else None)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"lightning-ett report: {err}", file=sys.stderr)
+        return 2
+    console = Console()
+    write_report(summary, run_dir, console)
+    console.print(f"[dim]{run_dir / SUMMARY_FILE}\n{run_dir / REPORT_PNG}[/dim]")
+    return 0
+
+
+def _int_parser(low: int, high: int, expected: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``[low, high]``; the error says what was ``expected``."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return number
+
+    return parse
+
+
+_positive_int = _int_parser(1, sys.maxsize, "an integer >= 1")
+_non_negative_int = _int_parser(0, sys.maxsize, "an integer >= 0")
+_port = _int_parser(1, 65535, "a TCP port 1-65535")
+_device_count = _int_parser(1, sys.maxsize, "an integer >= 1 or 'auto'")
+
+
+def _devices(value: str) -> int:
+    """An integer >= 1, or ``auto``: the visible GPUs, or one process on a machine without any."""
+    if value == "auto":
+        import torch
+
+        return torch.cuda.device_count() or 1
+    return _device_count(value)
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    from lightning_ett.launch.launcher import DEFAULT_MAX_RESTARTS
+
+    run = sub.add_parser(
+        "run", help="Start a training script on this node under PyTorch's elastic launcher, restart it on failure, "
+        "and print the job's ETT report at the end.",
+        description="Spelled as `fabric run`, with torchrun's spellings as aliases. `lightning run model SCRIPT` "
+        "(the older spelling) works too.",
+    )
+    run.add_argument("--devices", "--nproc-per-node", "--nproc_per_node", type=_devices, default=1, metavar="N",
+                     help="Processes on this node (one per GPU), or 'auto'. Match the Trainer's `devices`. Default 1.")
+    run.add_argument("--num-nodes", "--num_nodes", "--nnodes", type=_positive_int, default=1, metavar="N",
+                     help="Nodes in the job; start one `lightning run` per node. Match the Trainer's `num_nodes`.")
+    run.add_argument("--node-rank", "--node_rank", type=_non_negative_int, default=0, metavar="R",
+                     help="This node's rank; node 0 hosts the rendezvous at --main-address:--main-port.")
+    run.add_argument("--main-address", "--main_address", "--master-addr", default=None, metavar="HOST",
+                     help="Address of node 0, reachable from every node (default 127.0.0.1).")
+    run.add_argument("--main-port", "--main_port", "--master-port", type=_port, default=None, metavar="PORT",
+                     help="Rendezvous port on node 0 (default 29400 with several nodes, a free port with one).")
+    run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                     help="torchrun's spelling of --main-address and --main-port together.")
+    run.add_argument("--max-restarts", "--max_restarts", type=_non_negative_int, default=DEFAULT_MAX_RESTARTS,
+                     metavar="N", help=f"Restarts after a failure before giving up (default {DEFAULT_MAX_RESTARTS}).")
+    run.add_argument("--run-dir", "--run_dir", default=None, metavar="DIR",
+                     help="The job's run directory (ledger, report, worker logs). A relaunch into the same directory "
+                     "continues the job. Default: $LIGHTNING_ETT_RUN_DIR or ./ett_runs/<job id>.")
+    run.add_argument("--job-id", "--job_id", "--rdzv-id", "--rdzv_id", default=None, metavar="ID",
+                     help="The job's id, the same on every node (default: the run directory's).")
+    run.add_argument("--preload", dest="preload", action="store_true", default=True,
+                     help="Fork workers from a server that imported torch, Lightning and TorchRec once (default).")
+    run.add_argument("--no-preload", dest="preload", action="store_false",
+                     help="Start each worker as a fresh `python SCRIPT` instead of forking it from a server that "
+                     "imported torch, Lightning and TorchRec once per node.")
+    run.add_argument("script", metavar="SCRIPT", help="The training script.")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS", help="Arguments for SCRIPT.")
+    run.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        opts = _launch_options(args)
+    except ValueError as err:
+        print(f"lightning run: {err}", file=sys.stderr)
+        return 2
+    from lightning_ett.launch.launcher import launch
+
+    return launch(opts)
+
+
+def _launch_options(args: argparse.Namespace) -> LaunchOptions:
+    """Check what argparse cannot check alone, and fill in the defaults that depend on each other."""
+    import os
+    import re
+
+    from lightning_ett.durable.files import writable_dir_error
+    from lightning_ett.instrument.environment import DEFAULT_RUNS_ROOT, ENV_RUN_DIR, _new_job_id, read_job_file
+    from lightning_ett.launch.launcher import LaunchOptions
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise ValueError(f"SCRIPT {args.script!r} is not a file (looked in {os.getcwd()!r}).")
+    if args.node_rank >= args.num_nodes:
+        raise ValueError(f"--node-rank {args.node_rank} is out of range for --num-nodes {args.num_nodes} "
+                         f"(expected 0..{args.num_nodes - 1}).")
+    address, port = args.main_address, args.main_port
+    if args.rdzv_endpoint is not None:
+        host, sep, port_text = args.rdzv_endpoint.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT, e.g. node0:29400.")
+        try:
+            endpoint_port = _port(port_text)
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: {err}.") from None
+        if (address not in (None, host)) or (port not in (None, endpoint_port)):
+            raise ValueError("--rdzv-endpoint disagrees with --main-address/--main-port: pass one or the other.")
+        address, port = host, endpoint_port
+    if args.num_nodes > 1 and address is None:
+        raise ValueError("with --num-nodes > 1 pass --main-address: node 0's address, reachable from every node.")
+    if args.num_nodes > 1 and port is None:
+        port = 29400
+    run_dir = args.run_dir or os.environ.get(ENV_RUN_DIR)
+    job_id = args.job_id
+    if run_dir is not None:
+        recorded = read_job_file(Path(run_dir).expanduser().absolute()) or {}
+        job_id = job_id or recorded.get("job_id") or Path(run_dir).name
+    elif args.num_nodes > 1 and job_id is None:
+        raise ValueError("with --num-nodes > 1 every node must name the same job: pass the same --run-dir "
+                         "(on shared storage) or --job-id to each node's `lightning run`.")
+    job_id = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id or _new_job_id())
+    path = Path(run_dir or Path(DEFAULT_RUNS_ROOT) / job_id).expanduser().absolute()
+    if writable_dir_error(path, "--run-dir") is not None:
+        raise ValueError(f"--run-dir {str(path)!r} is not writable: pass a directory this job can create files in.")
+    return LaunchOptions(
+        script=str(script), script_args=tuple(args.script_args), devices=args.devices, num_nodes=args.num_nodes,
+        node_rank=args.node_rank, main_address=address or "127.0.0.1", main_port=port,
+        max_restarts=args.max_restarts, run_dir=path, job_id=job_id, preload=args.preload,
+    )
+
+
+def build_parser(prog: str = "lightning-ett") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Effective Training Time tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_parser(sub)
+    report = sub.add_parser("report", help="Print the ETT table and write ett_summary.json and the PNG for a run.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="The job's run directory (holds ledger/).")
+    report.add_argument(
+        "--now", action="store_true", help="For a running job: count wall time up to now, not the last event."
+    )
+    report.set_defaults(func=_report)
+    return parser
+
+
+def _normalize(argv: Sequence[str] | None) -> list[str]:
+    """Accept the older ``run model SCRIPT`` spelling (Lightning 2.0's ``lightning run model``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:2] == ["run", "model"] and not Path("model").is_file():
+        del args[1]
+    return args
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "lightning-ett") -> int:
+    args = build_parser(prog).parse_args(_normalize(argv))
+    return args.func(args)
+
+
+def lightning_main() -> int:
+    """The ``lightning`` executable (Lightning 2.6 ships none): ``lightning run`` and ``lightning report``."""
+    return main(prog="lightning")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""``lightning run``: start and restart a job with PyTorch's elastic launcher, and own its clock.
+
+This is a thin layer over :mod:`torch.distributed.run` (torchrun): rendezvous, worker
+processes, restarts and signal forwarding are torchrun's. What the layer adds:
+
+* **Job identity.** The run directory, job id and job start (this launcher's own process
+  start) go into the environment, so every rank's ETT ledger counts from launch, across
+  every attempt, to the end.
+* **Attempts numbered alike on every node.** Each start of the worker group is one attempt.
+  ``TORCHELASTIC_RESTART_COUNT`` cannot number them: a node whose workers were healthy
+  restarts them without counting a restart. Every node starts its workers once per
+  rendezvous round, so counting starts agrees across nodes.
+* **Restarts that work.** By default torchrun (2.13) hands every attempt the agent's one TCP
+  store, where a restarted gloo/NCCL group reads the dead attempt's addresses and fails or
+  hangs. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a fresh store on a free
+  port instead.
+* **Why an attempt ended.** Each failure (rank, exit code or signal, last exception line of
+  its stderr) goes to ``RUN_DIR/ledger/launcher/``; worker logs are kept per attempt under
+  ``RUN_DIR/worker_logs/``.
+* **Restarts without re-imports.** Workers are forked from one pre-imported server per node
+  (:mod:`lightning_ett.launch.worker`), unless ``preload=False`` (``--no-preload``). A SIGTERM
+  stops them at once (torch's agent would leave finished forked workers waiting 30 s).
+* **The report** (``lightning-ett report``) is printed at the end.
+
+torch exposes no parameter for the agent class, so :func:`launch` swaps
+``LocalElasticAgent`` in :mod:`torch.distributed.launcher.api` for a subclass for the
+duration of the launch, in this (the launcher's) process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from lightning_ett.instrument.environment import (
+    ENV_ATTEMPT,
+    ENV_ATTEMPT_START,
+    ENV_JOB_ID,
+    ENV_JOB_START,
+    ENV_LAUNCHER,
+    ENV_RUN_DIR,
+    process_start_time,
+    write_job_file,
+)
+from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, read_launcher_records, recorded_attempts
+
+WORKER_LOGS = "worker_logs"
+DEFAULT_MAX_RESTARTS = 3
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """A validated ``lightning run`` command line (see :func:`lightning_ett.launch.cli.build_parser`)."""
+
+    script: str
+    script_args: tuple[str, ...]
+    devices: int
+    num_nodes: int = 1
+    node_rank: int = 0
+    main_address: str = "127.0.0.1"
+    main_port: int | None = None
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    preload: bool = True
+    run_dir: Path = field(default_factory=lambda: Path("ett_runs"))
+    job_id: str = ""
+    monitor_interval: float = 0.1
+
+
+def next_attempt(run_dir: Path) -> int:
+    """The first attempt number of a new launch into ``run_dir`` (a relaunch continues the job)."""
+    numbers = recorded_attempts(run_dir)
+    for record in read_launcher_records(run_dir):
+        if record.get("kind") == "attempt":
+            numbers.append(int(record["attempt"]))
+    return max(numbers, default=-1) + 1
+
+
+def failure_reason(exitcode: int, stderr_file: str | None) -> str:
+    """A one-line reason: the signal that killed the rank or its last exception line."""
+    tail = [_LOG_PREFIX.sub("", line, count=1).strip() for line in _tail(stderr_file)]
+    if exitcode < 0:
+        try:
+            reason = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            reason = f"killed by signal {-exitcode}"
+        injected = [line for line in tail if line.startswith("lightning-ett fault injection")]
+        return f"{reason} ({injected[-1]})" if injected else reason
+    for line in reversed(tail):
+        if _EXCEPTION_LINE.match(line):
+            return f"exit code {exitcode}: {line[:500]}"
+    last = next((line for line in reversed(tail) if line), None)  # e.g. sys.exit("message")
+    return f"exit code {exitcode}: {last[:500]}" if last else f"exit code {exitcode}"
+
+
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]:")  # torchrun's "[rank1]:" on teed lines
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b")
+
+
+def _mtime(path: str | None) -> float:
+    try:
+        return os.path.getmtime(path) if path else float("inf")
+    except OSError:
+        return float("inf")
+
+
+def _tail(path: str | None, max_bytes: int = 64 * 1024) -> list[str]:
+    if not path or not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(os.path.getsize(path) - max_bytes, 0))
+        return f.read().decode(errors="replace").splitlines()
+
+
+class LaunchRecorder:
+    """Numbers the attempts of this launch and writes the launcher's ledger for this node."""
+
+    def __init__(self, opts: LaunchOptions, job_start: float) -> None:
+        self.opts = opts
+        self.first_attempt = next_attempt(opts.run_dir)
+        self.attempt = self.first_attempt - 1
+        self.last_failure: str | None = None
+        self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
+        self.writer.append({
+            "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
+            "num_nodes": opts.num_nodes, "devices": opts.devices, "max_restarts": opts.max_restarts,
+            "first_attempt": self.first_attempt, "host": socket.gethostname(), "pid": os.getpid(),
+            "argv": [opts.script, *opts.script_args],
+        })
+
+    def starting_workers(self) -> dict[str, str]:
+        """Called before each start of the worker group: the environment of this attempt's workers."""
+        self.attempt += 1
+        now = time.time()
+        env = {ENV_ATTEMPT: str(self.attempt), ENV_ATTEMPT_START: repr(now)}
+        os.environ.update(env)  # subprocess workers inherit it; forked ones get `env` as an argument
+        self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
+        return env
+
+    def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
+                       suspects: set[int] | None = None) -> None:
+        """Record each failed rank, the root cause first.
+
+        torchelastic reports every rank of a failed group at once, after it stopped the
+        survivors. Suspects are the ranks that had exited before it did (and the one torch names);
+        among them, the root cause is the rank that stopped writing to stderr first: a rank that
+        crashes writes its last line when it dies, and its peers write their "connection closed
+        by peer" errors after it.
+        """
+        now = time.time()
+        exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
+        logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
+        pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
+        candidates = [rank for rank in pool if exitcodes[rank] != -signal.SIGTERM] or pool
+        root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
+        for rank in sorted(failures, key=lambda r: (r != root, r)):
+            if rank == root:
+                reason = failure_reason(exitcodes[rank], logs[rank])
+                self.last_failure = f"rank {rank} {reason}"
+            elif exitcodes[rank] == -signal.SIGTERM or (suspects is not None and rank not in suspects):
+                reason = "stopped by the launcher after another rank failed"
+            else:
+                reason = f"failed after rank {root}: {failure_reason(exitcodes[rank], logs[rank])}"
+            self.writer.append({"kind": "failure", "attempt": self.attempt, "time": now, "rank": rank,
+                                "exitcode": exitcodes[rank], "reason": reason, "root_cause": rank == root})
+
+    def finished(self, exitcode: int, reason: str) -> None:
+        self.writer.append({"kind": "end", "time": time.time(), "exitcode": exitcode, "reason": reason,
+                            "attempts": self.attempt - self.first_attempt + 1, "node_rank": self.opts.node_rank})
+        self.writer.close()
+
+
+def _forked_worker_args(opts: LaunchOptions, env: dict[str, str]) -> tuple[str, str, str]:
+    """The arguments of :func:`lightning_ett.launch.worker.run_script` (strings: torch substitutes macros in them)."""
+    return opts.script, json.dumps(list(opts.script_args)), json.dumps(env)
+
+
+def _exited_local_ranks(pcontext: Any) -> set[int]:
+    """Local ranks whose process has already exited (forked workers or subprocesses)."""
+    processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if processes is not None:
+        return {lr for lr, process in enumerate(processes) if process.exitcode is not None}
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    return {lr for lr, handler in handlers.items() if handler.proc.poll() is not None}
+
+
+def _recording_agent_class(recorder: LaunchRecorder) -> type:
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class RecordingAgent(LocalElasticAgent):
+        """torchrun's agent, telling the recorder when workers start and why they failed."""
+
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            env = recorder.starting_workers()
+            if recorder.opts.preload:
+                opts = recorder.opts
+                worker_group.spec.args = _forked_worker_args(opts, env)
+            return super()._start_workers(worker_group)
+
+        def _monitor_workers(self, worker_group: Any) -> RunResult:
+            exited = _exited_local_ranks(self._pcontext)  # before torch stops the rest of the group
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED:
+                failures = dict(result.failures)
+                suspects = set(failures) | {worker_group.workers[lr].global_rank for lr in exited}
+                # Forked workers: torch reports only the first failed process; the others' exit codes
+                # are needed to tell the root cause from the ranks that died of it.
+                processes = getattr(getattr(self._pcontext, "_pc", None), "processes", [])
+                for local_rank, process in enumerate(processes):
+                    if process.exitcode not in (None, 0):
+                        failures.setdefault(worker_group.workers[local_rank].global_rank,
+                                            SimpleNamespace(local_rank=local_rank, exitcode=process.exitcode))
+                recorder.workers_failed(failures, dict(getattr(self._pcontext, "stderrs", {}) or {}), suspects)
+            return result
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            _release_finished_workers(self._pcontext)
+            super()._shutdown(death_sig, timeout)
+
+    return RecordingAgent
+
+
+def _release_finished_workers(pcontext: Any) -> None:
+    """Let forked workers whose script has ended exit now, not at the kill timeout.
+
+    A worker run as a function (``--preload``) waits, after its script, until the agent has read
+    its return value. An agent that is stopping the group (a SIGTERM to the launcher, or a
+    restart) never reads it: torch's ``MultiprocessContext._close`` signals the workers but does
+    not set that event, so each finished worker sat out the 30 s timeout and was SIGKILLed, and a
+    preempted job spent 30 s of the scheduler's grace period doing nothing.
+    """
+    event = getattr(pcontext, "_worker_finished_event", None)
+    if event is not None:
+        event.set()
+
+
+class _PlainTraceback(logging.Filter):
+    """Format a record's traceback with the standard formatter.
+
+    torch's log formatter imports ``torch._dynamo`` (1.4 s here) to format the first traceback
+    it sees — the agent logs one when a worker fails, so each restart would wait for it.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        return True
+
+
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                  "torch.distributed.elastic.agent.server.local_elastic_agent")
+
+
+@contextlib.contextmanager
+def _agent_class(cls: type) -> Iterator[None]:
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = cls
+    plain = _PlainTraceback()
+    for name in _AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(plain)
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+        for name in _AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(plain)
+
+
+def torchrun_argv(opts: LaunchOptions) -> list[str]:
+    """The torchrun command line this launch amounts to (c10d rendezvous, per-attempt logs), script arguments aside."""
+    if opts.num_nodes == 1:
+        endpoint = f"localhost:{opts.main_port or 0}"  # what `torchrun --standalone` does
+    else:
+        endpoint = f"{opts.main_address}:{opts.main_port}"
+    return [
+        "--nnodes", str(opts.num_nodes), "--nproc-per-node", str(opts.devices),
+        "--max-restarts", str(opts.max_restarts), "--monitor-interval", str(opts.monitor_interval),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", opts.job_id,
+        # Node 0 hosts the rendezvous store; the others connect to it.
+        "--rdzv-conf", f"is_host={str(opts.node_rank == 0).lower()}",
+        "--log-dir", str(opts.run_dir / WORKER_LOGS / f"node-{opts.node_rank}"), "--tee", "3",
+        opts.script,  # its arguments are appended after parsing: torchrun's parser would take `--monitor` for its own
+    ]
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run the job to its end (restarting it up to ``max_restarts`` times); return the exit code."""
+    job_start = float(os.environ.get(ENV_JOB_START, process_start_time()))
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    write_job_file(opts.run_dir, opts.job_id, job_start)
+    os.environ.update({
+        ENV_RUN_DIR: str(opts.run_dir), ENV_JOB_ID: opts.job_id, ENV_JOB_START: repr(job_start),
+        ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    })
+    recorder = LaunchRecorder(opts, job_start)
+    try:
+        return _launch(opts, recorder)
+    except BaseException as err:
+        recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
+        raise
+
+
+def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
+    if opts.preload:
+        from lightning_ett.launch.worker import start_forkserver
+
+        start_forkserver()  # its imports overlap the launcher's own and the rendezvous
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    config, entrypoint, args = config_from_args(parse_args(torchrun_argv(opts)))
+    args = [*args, *opts.script_args]
+    if opts.preload:
+        from lightning_ett.launch.worker import run_script
+
+        config.start_method = "forkserver"
+        entrypoint, args = run_script, list(_forked_worker_args(opts, {}))  # the env is set per attempt
+    try:
+        with _agent_class(_recording_agent_class(recorder)):
+            elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as err:
+        attempts = recorder.attempt - recorder.first_attempt + 1
+        cause = recorder.last_failure or _root_cause(err)
+        reason = f"gave up after {attempts} attempt(s) (--max-restarts {opts.max_restarts}); last failure: {cause}"
+        recorder.finished(1, reason)
+        _print_report(opts, failed=reason)
+        return 1
+    except (KeyboardInterrupt, SignalException) as err:
+        sig = getattr(err, "sigval", signal.SIGINT)
+        reason = f"stopped by {signal.Signals(sig).name}"
+        recorder.finished(128 + int(sig), reason)
+        _print_report(opts, failed=reason)
+        return 128 + int(sig)
+    recorder.finished(0, "finished")
+    _print_report(opts)
+    return 0
+
+
+def _root_cause(err: Any) -> str:
+    rank, failure = err.get_first_failure()
+    return f"rank {rank} exit code {failure.exitcode}"
+
+
+def _print_report(opts: LaunchOptions, failed: str | None = None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console()
+    if failed:
+        Console(stderr=True).print(f"[bold red]lightning run: {escape(failed)}[/bold red]")
+    if opts.node_rank != 0:
+        console.print(f"[dim]ETT report: node 0 prints it; or run `lightning-ett report {opts.run_dir}`.[/dim]")
+        return
+    from lightning_ett.instrument.report import REPORT_PNG, write_report
+    from lightning_ett.instrument.summary import summarize_run_dir
+
+    try:
+        summary = summarize_run_dir(opts.run_dir)
+        write_report(summary, opts.run_dir, console)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[yellow]No ETT report: {escape(str(err))}[/yellow]")
+        return
+    except Exception as err:  # noqa: BLE001 - the job's outcome stands; the report can be made again
+        console.print(f"[yellow]Could not write the ETT report ({escape(repr(err))}); "
+                      f"try `lightning-ett report {opts.run_dir}`.[/yellow]")
+        return
+    console.print(f"[dim]{opts.run_dir / REPORT_PNG}  ·  lightning-ett report {opts.run_dir}[/dim]")
+    sys.stdout.flush()
+
+
+__all__ = ["LaunchOptions", "failure_reason", "launch", "next_attempt", "torchrun_argv"]

@@ -1,0 +1,22 @@
+"""Imported by ``lightning run``'s forkserver: the modules every worker would import anyway.
+
+A module of its own because the forkserver survives only ``ImportError`` from the modules it
+preloads: any other error (a native library that does not load) would kill it, and with it
+every worker start. Here each import fails alone, with a warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+from lightning_ett.launch.worker import PRELOAD
+
+for _name in PRELOAD:
+    try:
+        importlib.import_module(_name)
+    except ImportError:
+        pass  # not installed: the script would not import it either
+    except Exception as _err:  # noqa: BLE001 - a broken optional import must not stop the job
+        warnings.warn(f"lightning run: preloading {_name!r} failed ({_err!r}); workers will import it themselves.",
+                      stacklevel=1)

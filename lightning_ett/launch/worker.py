@@ -1,0 +1,112 @@
+"""The worker side of ``lightning run``: run the user's script in a process forked from a
+server that already imported torch, Lightning and TorchRec.
+
+Why: every attempt of a job re-imports them in every rank (≈ 3 s per rank on a 2-core
+machine, more with CUDA and a large site-packages), and a restart pays it again. The
+launcher starts one multiprocessing *forkserver* per node, which imports them once
+(:data:`PRELOAD`); every worker of every attempt is forked from it, with those modules
+already in memory (CUDA untouched, so each child still initializes its own GPU).
+
+The script runs as ``python SCRIPT ARGS`` would run it: ``__name__ == "__main__"``,
+``sys.argv``, ``sys.path[0]`` = the script's directory. Exit handlers (``atexit``) run when the
+script ends, as at a normal interpreter exit — multiprocessing children skip them — and the
+interpreter's own module teardown (≈ 1 s with torch) is skipped, which is safe once they ran.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import sys
+import threading
+import traceback
+
+#: Imported once per node by the forkserver (through :mod:`lightning_ett.launch.preload`).
+PRELOAD: tuple[str, ...] = (
+    "torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "lightning.pytorch",
+    "lightning.pytorch.cli", "torchrec", "torchmetrics", "lightning_ett.callbacks", "lightning_ett.strategies",
+)
+
+
+def start_forkserver() -> None:
+    """Start the node's forkserver now, so that its imports run while the launcher does its own.
+
+    It inherits this process's environment as it is now: call it after the job's variables are set.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    # `torch.cuda.is_available()` (fbgemm_gpu calls it at import) would initialize the CUDA
+    # driver in the forkserver, and a forked child could not use CUDA; NVML answers instead.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # as torchrun's `python -u`: output reaches the logs at once
+    multiprocessing.set_forkserver_preload(["lightning_ett.launch.preload"])
+    forkserver.ensure_running()
+
+
+def run_script(script: str, script_args_json: str, env_json: str) -> None:
+    """Entry point of each worker (a picklable module-level function, for the forkserver)."""
+    # The forkserver's environment is the launcher's at its start; values set per attempt come here.
+    os.environ.update(json.loads(env_json))
+    _apply_thread_count()
+    _check_cuda_untouched()
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)  # the script may choose its own, as in a fresh python
+    script = os.path.abspath(script)
+    sys.argv = [script, *json.loads(script_args_json)]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if not stop.code:
+            return  # sys.exit() / sys.exit(0): a normal end (torch's agent waits for a return value)
+        if isinstance(stop.code, int):
+            raise
+        print(stop.code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it
+        raise SystemExit(1) from None
+    except BaseException:  # noqa: BLE001 - any uncaught error ends the script, as in `python SCRIPT`
+        # Printed here, while stderr still goes to this rank's log (multiprocessing would print
+        # it after the redirect ends); then exit 1, as `python SCRIPT` does.
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    finally:
+        _wait_for_threads()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _check_cuda_untouched() -> None:
+    """A worker forked after CUDA was initialized cannot use it: say so, and how to avoid it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("lightning run: CUDA was initialized in the preloading forkserver, so this forked worker "
+                           "cannot use it; rerun with `lightning run --no-preload ...`.")
+
+
+def _apply_thread_count() -> None:
+    """Apply ``OMP_NUM_THREADS`` as ``import torch`` would have.
+
+    torch reads it once, at import — in the forkserver, before the agent set it for the
+    workers (torchrun sets 1 per process when several share a node). Without this, 2 ranks
+    on 2 cores ran 2 threads each and trained 6x slower (benchmarks/e2e_ett.py).
+    """
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if threads.isdigit() and int(threads) > 0 and torch is not None:
+        torch.set_num_threads(int(threads))
+
+
+def _wait_for_threads() -> None:
+    """What the interpreter does before exit handlers: stop thread pools, join non-daemon threads.
+
+    ``threading._shutdown`` is the interpreter's own step (it first tells ``ThreadPoolExecutor``
+    workers to stop, then joins): joining threads by hand would wait forever on such pools.
+    multiprocessing calls it again after us, which returns at once.
+    """
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()

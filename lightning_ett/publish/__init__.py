@@ -1,0 +1,1 @@
+"""Serving artifacts: their format and export, the publisher process, and the trainer's handle on it."""
