@@ -24,7 +24,8 @@ example: install
 	$(VENV)/bin/lightning run --devices 2 examples/dlrm_example.py fit --config examples/dlrm.yaml
 
 test: install
-	$(PY) -m pytest -q tests
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests --durations=10
 
 bench: install
 	$(PY) benchmarks/monitor_overhead.py

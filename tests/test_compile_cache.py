@@ -50,11 +50,28 @@ def test_a_restart_reuses_the_compile_cache_and_another_model_does_not(tmp_path)
 def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path):
     cache = tmp_path / "cache"
     run(tmp_path, "first", cache)
+    good = (cache / "mega_cache.bin").read_bytes()
     info = json.loads((cache / "mega_cache.json").read_text())
     (cache / "mega_cache.json").write_text(json.dumps({**info, "torch": "1.0.0"}))
     facts, stderr = run(tmp_path, "second", cache)
     assert "CompileCache: ignoring" in stderr and "written by torch 1.0.0" in stderr
     assert facts["loaded"] == {} and facts["steps"] == 2
+    # ... and set aside, then written anew although every graph came from the inductor directory.
+    assert facts["cache"]["compile/fx_cache_misses"] == 0
+    assert len(list(cache.glob("mega_cache.bin.corrupt-*"))) == 1
+    assert json.loads((cache / "mega_cache.json").read_text())["torch"] != "1.0.0"
+
+    # A corrupted bundle: named, set aside, rewritten; the next start loads the new one.
+    (cache / "mega_cache.bin").write_bytes(good[: len(good) // 2])
+    facts, stderr = run(tmp_path, "third", cache)
+    assert f"ignoring the compile bundle {str(cache / 'mega_cache.bin')!r}: it is corrupted" in stderr
+    assert facts["steps"] == 2 and len(list(cache.glob("mega_cache.bin.corrupt-*"))) == 2
+    rewritten = (cache / "mega_cache.bin").read_bytes()
+    assert rewritten != good[: len(good) // 2]
+    loads = run_script("-c", "import sys, torch; info = torch.compiler.load_cache_artifacts(open(sys.argv[1], 'rb').read()); "
+                       "print(sum(len(v) for v in info.artifacts.values()))", str(cache / "mega_cache.bin"),
+                       TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "check-inductor"))
+    assert loads.returncode == 0 and int(loads.stdout.strip()) > 0, loads.stderr[-2000:]  # the new bundle loads
 
 
 def test_compile_module_compiles_the_lightning_module(tmp_path):
