@@ -15,7 +15,10 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 @pytest.fixture(autouse=True)
 def isolated_job(monkeypatch: pytest.MonkeyPatch) -> timeline.Timeline:
-    """Each test is its own job: no LIGHTNING_ETT_* leaks between tests, a fresh timeline."""
+    """Each test is its own job: no LIGHTNING_ETT_* leaks between tests, a fresh timeline, and the
+    environment restored afterwards (a Trainer run in this process sets MASTER_PORT, LOCAL_RANK...:
+    a later job started from here would take itself for an already-launched rank and wait for peers)."""
+    saved = dict(os.environ)
     for key in list(os.environ):
         if key.startswith("LIGHTNING_ETT_"):
             monkeypatch.delenv(key)
@@ -23,6 +26,8 @@ def isolated_job(monkeypatch: pytest.MonkeyPatch) -> timeline.Timeline:
     monkeypatch.setattr(timeline, "_TIMELINE", fresh)
     yield fresh
     fresh.close()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

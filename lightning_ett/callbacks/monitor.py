@@ -197,13 +197,8 @@ class ETTMonitor(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close_eval()
 
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval_start = time.time()
-
-    @override
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close_eval()
+    on_test_start = on_validation_start  # same signature, same job: testing is `eval` too
+    on_test_end = on_validation_end
 
     def _close_eval(self) -> None:
         if self._eval_start is not None:

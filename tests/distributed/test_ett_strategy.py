@@ -77,6 +77,12 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path,
                       timeout=300)
     assert proc.returncode != 0
     assert f"{str(ckpt / 'step6.ckpt')!r} is not a complete checkpoint: {shard.name} has 100 bytes" in proc.stderr
+    # Where AsyncCheckpoint looks for a checkpoint to resume from, the same directory is skipped, named.
+    auto = tmp_path / "auto"
+    auto.mkdir()
+    (ckpt / "step6.ckpt").rename(auto / fmt.checkpoint_name(6))
+    with pytest.warns(UserWarning, match=f"Skipping checkpoint .*step-000000006'.*{shard.name} has 100 bytes"):
+        assert fmt.newest_complete(auto) is None
 
 
 def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_path):
