@@ -78,7 +78,8 @@ def main() -> None:
     if chosen:
         c = chosen[-1]
         print(f"auto chose every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost {c['save_cost_s']:.3f}s "
-              f"and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]; expected loss per failure {c['expected_loss_per_failure_s']:.1f}s")
+              f"and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]; "
+              f"expected loss per failure {c['expected_loss_per_failure_s']:.1f}s")
     for name in arms:  # the spread: one unlucky failure schedule costs a too-rare cadence most
         print(f"ETT % per schedule, {name}: " + ", ".join(f"{s.ett_percent:.1f}" for s in results[name]))
     ett = {n: med([s.ett_percent for s in results[n]]) for n in arms}

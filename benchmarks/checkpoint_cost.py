@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/checkpoint_cost.py [--gib 1 4] [--dir /tmp/ett-ckpt-bench]
 
 For each state size, every method runs in its own process (checkpoint_job.py), one after
-the other in this one run; each makes a warm-up save and then --saves measured saves (medians): (a) seconds the training loop is blocked per save, (b) the
-training time the save really costs: blocked + the extra step time of the steps that ran
-while the write was in flight. Goals: (a) ours <= 5 % of the synchronous torch.save;
+the other in this one run; each makes a warm-up save and then --saves measured saves
+(medians): (a) seconds the training loop is blocked per save, (b) the training time the
+save really costs: blocked + the extra step time of the steps that ran while the write was
+in flight. Goals: (a) ours <= 5 % of the synchronous torch.save;
 (b) ours the lowest of all methods.
 """
 
@@ -33,8 +34,8 @@ def measure(method: str, gib: float, root: Path, saves: int) -> dict:
     env["PYTHONPATH"] = str(HERE.parent)
     try:
         proc = subprocess.run([sys.executable, str(HERE / "checkpoint_job.py"), "--method", method, "--gib", str(gib),
-                               "--dir", str(root), "--out", str(out), "--saves", str(saves)], env=env, capture_output=True, text=True, timeout=1800,
-                              check=False)
+                               "--dir", str(root), "--out", str(out), "--saves", str(saves)], env=env, capture_output=True,
+                              text=True, timeout=1800, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{method} at {gib} GiB failed:\n{proc.stderr[-3000:]}")
         return json.loads(out.read_text())

@@ -78,7 +78,8 @@ def main() -> None:
             base = median_step_s(False, args.steps, args.warmup, Path(tmp) / f"base{pair}")
             ours = median_step_s(True, args.steps, args.warmup, Path(tmp) / f"ett{pair}")
             ratios.append(ours / base)
-            print(f"pair {pair}: median step {base * 1e3:.2f} ms without, {ours * 1e3:.2f} ms with ETTMonitor -> ratio {ratios[-1]:.4f}")
+            print(f"pair {pair}: median step {base * 1e3:.2f} ms without, {ours * 1e3:.2f} ms with ETTMonitor "
+                  f"-> ratio {ratios[-1]:.4f}")
     print(f"ETTMonitor step-time ratio (median of {args.pairs} pairs): {statistics.median(ratios):.4f}  (goal <= 1.01)")
     print(f"ledger write per step (isolated): {per_step_hook_cost_us():.1f} us")
 

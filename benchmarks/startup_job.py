@@ -74,7 +74,8 @@ def main() -> None:
     p.add_argument("--plan-cache", default=None)
     args = p.parse_args()
     out = Path(args.out)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=ETTStrategy(overlap_startup=bool(args.overlap), plan_cache_dir=args.plan_cache),
+    strategy = ETTStrategy(overlap_startup=bool(args.overlap), plan_cache_dir=args.plan_cache)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy,
                       max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[ETTMonitor(run_dir=out / "ett", report_on_end=False)])
     fit_called = time.time()

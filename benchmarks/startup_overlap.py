@@ -32,8 +32,10 @@ def one_run(out: Path, overlap: bool, tables: int, plan_cache: Path | None = Non
     """Per rank: fit -> first step, and the strategy's process-group and start-up-work spans."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
     env["PYTHONPATH"] = str(HERE.parent)
-    proc = subprocess.run(check=False, args=[sys.executable, str(HERE / "startup_job.py"), "--out", str(out), "--overlap", str(int(overlap)),
-                           "--tables", str(tables)] + (["--plan-cache", str(plan_cache)] if plan_cache else []), env=env, capture_output=True, text=True, timeout=600)
+    argv = [sys.executable, str(HERE / "startup_job.py"), "--out", str(out), "--overlap", str(int(overlap)),
+            "--tables", str(tables)]
+    argv += ["--plan-cache", str(plan_cache)] if plan_cache else []
+    proc = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     ranks = {}
@@ -66,7 +68,8 @@ def main() -> None:
         for pair in range(args.pairs):
             runs["sequential"].append(one_run(Path(tmp) / f"seq{pair}", False, args.tables))
             runs["overlapped"].append(one_run(Path(tmp) / f"ovl{pair}", True, args.tables))
-            runs["overlapped+fresh cache"].append(one_run(Path(tmp) / f"fresh{pair}", True, args.tables, Path(tmp) / f"cache{pair}"))
+            fresh = one_run(Path(tmp) / f"fresh{pair}", True, args.tables, Path(tmp) / f"cache{pair}")
+            runs["overlapped+fresh cache"].append(fresh)
             runs["overlapped+warm cache"].append(one_run(Path(tmp) / f"warm{pair}", True, args.tables, warm))
             seq, ovl = runs["sequential"][-1], runs["overlapped"][-1]
             print(f"pair {pair}: " + "; ".join(
@@ -83,7 +86,8 @@ def main() -> None:
               f"(ideal, hiding min(process group {pg:.2f}s, work {work:.2f}s): {ideal:.3f})")
     job = {arm: med(max(r["to_first_step"] for r in run.values()) for run in runs[arm]) for arm in arms}
     for arm in arms:
-        print(f"job (slowest rank) fit->first step, {arm}: {job[arm]:.2f}s, ratio to sequential {job[arm] / job['sequential']:.3f}")
+        print(f"job (slowest rank) fit->first step, {arm}: {job[arm]:.2f}s, "
+              f"ratio to sequential {job[arm] / job['sequential']:.3f}")
 
 
 if __name__ == "__main__":

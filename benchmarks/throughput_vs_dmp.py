@@ -41,8 +41,10 @@ def main() -> None:
             hand = step_time("dmp", Path(tmp) / f"dmp{pair}.json", args.steps)
             ours = step_time("lightning", Path(tmp) / f"ett{pair}.json", args.steps)
             ratios.append(hand / ours)  # steps/s ours / steps/s hand-written
-            print(f"pair {pair}: hand-written DMP {1 / hand:.1f} steps/s, ETTStrategy {1 / ours:.1f} steps/s -> ratio {ratios[-1]:.3f}")
-    print(f"ETTStrategy / hand-written DMP throughput (median of {args.pairs} pairs): {statistics.median(ratios):.3f}  (goal >= 0.95)")
+            print(f"pair {pair}: hand-written DMP {1 / hand:.1f} steps/s, ETTStrategy {1 / ours:.1f} steps/s "
+                  f"-> ratio {ratios[-1]:.3f}")
+    print(f"ETTStrategy / hand-written DMP throughput (median of {args.pairs} pairs): "
+          f"{statistics.median(ratios):.3f}  (goal >= 0.95)")
 
 
 if __name__ == "__main__":

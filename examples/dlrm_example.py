@@ -81,7 +81,8 @@ class DLRMModule(LightningModule):
         self.save_hyperparameters()
         with record_phase("model_init"):
             tables = [
-                EmbeddingBagConfig(name=f"t_{name}", embedding_dim=embedding_dim, num_embeddings=num_embeddings, feature_names=[name])
+                EmbeddingBagConfig(name=f"t_{name}", embedding_dim=embedding_dim, num_embeddings=num_embeddings,
+                                   feature_names=[name])
                 for name in DEFAULT_CAT_NAMES
             ]
             self.model = DLRM(

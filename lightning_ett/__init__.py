@@ -33,8 +33,10 @@ _WHERE = {
     "ETTMonitor": "lightning_ett.callbacks", "ETTStrategy": "lightning_ett.strategies",
     "ModelPublisher": "lightning_ett.callbacks", "ModelPublishError": "lightning_ett.callbacks",
     "load_published": "lightning_ett.publish.artifact",
-    "Summary": "lightning_ett.instrument.summary", "summarize": "lightning_ett.instrument.summary", "summarize_run_dir": "lightning_ett.instrument.summary",
-    "Phase": "lightning_ett.instrument.timeline", "get_timeline": "lightning_ett.instrument.timeline", "record_phase": "lightning_ett.instrument.timeline",
+    "Summary": "lightning_ett.instrument.summary", "summarize": "lightning_ett.instrument.summary",
+    "summarize_run_dir": "lightning_ett.instrument.summary",
+    "Phase": "lightning_ett.instrument.timeline", "get_timeline": "lightning_ett.instrument.timeline",
+    "record_phase": "lightning_ett.instrument.timeline",
 }
 __all__ = [
     "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy",

@@ -40,3 +40,20 @@ def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env:
     return subprocess.run(check=False, args=
         [sys.executable, *args], env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_dlrm(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    """The 2-rank sharded DLRM job (tests/scripts/ett_job.py defaults: table-wise, dense Adam) trained 12 steps
+    without interruption, with a synchronous checkpoint at step 6: the reference several tests compare against.
+
+    Checkpointing and step sleeps change nothing in what is trained, so one run serves them all (each 2-rank
+    start costs ~7 s here). Returns each rank's facts and the checkpoint directory; copy it before changing it.
+    """
+    import torch
+
+    out = tmp_path_factory.mktemp("uninterrupted-dlrm")
+    proc = run_script(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--max-steps", "12", "--save-every", "6",
+                      "--ckpt-dir", str(out / "ckpt"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))], out / "ckpt"

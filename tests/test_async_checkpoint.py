@@ -311,13 +311,14 @@ def small_disk(tmp_path):
     """A 512 KiB tmpfs: a real full disk (needs root and mount rights; skipped where they are missing)."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
-    made = subprocess.run(check=False, args=["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True, text=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], check=False, capture_output=True,
+                          text=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
     try:
         yield mount
     finally:
-        subprocess.run(check=False, args=["umount", "-l", str(mount)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
 
 
 def test_a_full_disk_is_reported_as_such_with_the_path(tmp_path, small_disk):

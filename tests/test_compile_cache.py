@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import SCRIPTS, run_script
@@ -23,9 +24,16 @@ def run(tmp_path, name: str, cache, *flags: str, **env: str) -> tuple[dict, str]
     return facts, proc.stderr
 
 
-def test_a_restart_reuses_the_compile_cache_and_another_model_does_not(tmp_path):
-    cache = tmp_path / "cache"
-    cold, _ = run(tmp_path, "cold", cache)
+@pytest.fixture(scope="module")
+def cold_cache(tmp_path_factory) -> tuple[Path, dict]:
+    """One cold compile into a fresh cache, shared by this module's tests (each compile costs ~10 s here)."""
+    tmp_path = tmp_path_factory.mktemp("cold")
+    cold, _ = run(tmp_path, "cold", tmp_path / "cache")
+    return tmp_path / "cache", cold
+
+
+def test_a_restart_reuses_the_compile_cache_and_another_model_does_not(tmp_path, cold_cache):
+    cache, cold = cold_cache
     assert cold["cache"]["compile/fx_cache_misses"] > 0 and cold["cache"]["compile/fx_cache_hits"] == 0
     assert (cache / "mega_cache.bin").is_file() and (cache / "inductor").is_dir()
 
@@ -47,9 +55,8 @@ def test_a_restart_reuses_the_compile_cache_and_another_model_does_not(tmp_path)
     assert other["cache"]["compile/fx_cache_hits"] == 0 and other["cache"]["compile/aot_cache_hits"] == 0
 
 
-def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path):
-    cache = tmp_path / "cache"
-    run(tmp_path, "first", cache)
+def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path, cold_cache):
+    cache, _ = cold_cache  # (after the restart test: its bundle and inductor directory)
     good = (cache / "mega_cache.bin").read_bytes()
     info = json.loads((cache / "mega_cache.json").read_text())
     (cache / "mega_cache.json").write_text(json.dumps({**info, "torch": "1.0.0"}))

@@ -73,7 +73,8 @@ def test_the_lightning_executable_accepts_the_older_run_model_spelling(tmp_path,
     proc = subprocess.run([str(LIGHTNING), "run", "model", "--devices", "1", str(tmp_path / "absent.py")],
                           env=clean_env(), check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "absent.py' is not a file" in proc.stderr
-    proc = subprocess.run([str(LIGHTNING), "run", "--help"], env=clean_env(), check=False, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([str(LIGHTNING), "run", "--help"], env=clean_env(), check=False, capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0 and "--nproc-per-node" in proc.stdout and "--max-restarts" in proc.stdout
 
 
@@ -98,7 +99,8 @@ def test_failure_reasons_name_the_signal_or_the_last_exception(tmp_path):
                    "[rank1]:ValueError: bad batch\n[rank1]:wandb: finished\n")
     assert failure_reason(1, str(log)) == "exit code 1: ValueError: bad batch"
     log.write_text("lightning-ett fault injection: SIGKILL rank 1 at step 6 of attempt 0\n")
-    assert failure_reason(-9, str(log)) == "killed by SIGKILL (lightning-ett fault injection: SIGKILL rank 1 at step 6 of attempt 0)"
+    assert failure_reason(-9, str(log)) == ("killed by SIGKILL "
+                                            "(lightning-ett fault injection: SIGKILL rank 1 at step 6 of attempt 0)")
     assert failure_reason(-15, None) == "killed by SIGTERM"
     log.write_text("cannot start: bad config\n")
     assert failure_reason(1, str(log)) == "exit code 1: cannot start: bad config"

@@ -56,5 +56,6 @@ after = (list(warnings.filters), s.get_crc32_options, s.get_crc32_options(), s.g
 assert before == after, (before, after)
 print("unchanged")
 """
-    proc = subprocess.run(check=False, args=[sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "unchanged", proc.stderr[-2000:]

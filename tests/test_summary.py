@@ -38,7 +38,8 @@ def test_nested_save_and_eval_are_not_effective_and_gaps_are_classified():
 
 
 def test_steps_a_later_attempt_repeated_are_lost_not_effective():
-    first = ledger(0, 0, [("train", 0.0, 1.0, 0), ("train", 1.0, 2.0, 1), ("train", 2.0, 3.0, 2), ("train", 3.0, 4.0, 3)], job_start=0.0)
+    first = ledger(0, 0, [("train", 0.0, 1.0, 0), ("train", 1.0, 2.0, 1), ("train", 2.0, 3.0, 2), ("train", 3.0, 4.0, 3)],
+                   job_start=0.0)
     # the restart resumes from the checkpoint of step 2: steps 2 and 3 of attempt 0 are lost
     second = ledger(1, 0, [("checkpoint_load", 5.0, 5.5), ("train", 5.5, 6.5, 2), ("train", 6.5, 7.5, 3)], status="finished")
     s = summarize([first, second])

@@ -122,7 +122,8 @@ class AsyncCheckpoint(Checkpoint):
             not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 1
         ):
             raise ValueError(f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}): expected an int >= 1 or 'auto'.")
-        if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float)) or mtbf_hours <= 0):
+        if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float))
+                                       or mtbf_hours <= 0):
             raise ValueError(f"AsyncCheckpoint(mtbf_hours={mtbf_hours!r}): expected a number of hours > 0, or None to "
                              "estimate it from the job's ledger.")
         if isinstance(max_interval_minutes, bool) or not isinstance(max_interval_minutes, (int, float)) \
@@ -239,7 +240,8 @@ class AsyncCheckpoint(Checkpoint):
                 answer = (None, repr(e))
         path, error = trainer.strategy.broadcast(answer, src=0)
         if error is not None:
-            raise RuntimeError(f"AsyncCheckpoint: looking for a checkpoint to resume from in {str(self.dirpath)!r} failed: {error}")
+            raise RuntimeError(f"AsyncCheckpoint: looking for a checkpoint to resume from in {str(self.dirpath)!r} "
+                               f"failed: {error}")
         if path is not None:
             rank_zero_info(f"AsyncCheckpoint: resuming from the newest complete checkpoint {path}")
         return path
@@ -283,7 +285,8 @@ class AsyncCheckpoint(Checkpoint):
             self._batch_start = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         assert self._writer is not None
         now = time.perf_counter()
         if _accumulating(trainer):
@@ -488,7 +491,8 @@ class AsyncCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"dirpath": str(self.dirpath), "last_saved_step": self.last_saved_step, "saves": self.saves, "skipped": self.skipped,
+        return {"dirpath": str(self.dirpath), "last_saved_step": self.last_saved_step, "saves": self.saves,
+                "skipped": self.skipped,
                 "cadence": self.cadence.state_dict()}
 
     @override

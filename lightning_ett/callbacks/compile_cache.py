@@ -151,4 +151,4 @@ class CompileCache(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to restore: the cache lives on disk, and ``job_id`` comes from the constructor (a restart computes the same)."""
+        """Nothing to restore: the cache lives on disk; ``job_id`` comes from the constructor (a restart computes the same)."""

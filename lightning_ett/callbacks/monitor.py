@@ -167,7 +167,8 @@ class ETTMonitor(Callback):
         self._batch_step = trainer.global_step
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         assert self._step_start is not None
         self._step_start = self._close(Phase.TRAIN, self._step_start, self._batch_step)
         step = trainer.global_step

@@ -190,7 +190,8 @@ class ModelPublisher(Callback):
 
     # ------------------------------------------------------------------ training: notifications only
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if "loss" in self.metrics:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor):

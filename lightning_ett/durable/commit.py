@@ -96,7 +96,7 @@ def recover_replaced(final: Path, format_tag: str) -> str | None:
 
 
 def remove_stale(root: Path, pattern: str, format_tag: str) -> list[str]:
-    """After a crash: delete ``.tmp`` and ``.deleting`` directories, and settle ``.replaced`` copies, of names matching ``pattern``."""
+    """After a crash: of the names matching ``pattern``, delete ``.tmp``/``.deleting`` directories, settle ``.replaced`` ones."""
     done: list[str] = []
     if not root.is_dir():
         return done

@@ -46,7 +46,8 @@ def crc32_of(path: Path, drop_cache: bool = False) -> int:
         return crc
 
 
-def write_manifest(directory: Path, format_tag: str, fields: dict[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+def write_manifest(directory: Path, format_tag: str, fields: dict[str, Any],
+                   skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Checksum every file in ``directory`` (already fsynced) and write the manifest, durably."""
     files = {}
     for f in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE and p.name not in skip):

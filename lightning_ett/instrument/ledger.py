@@ -119,7 +119,8 @@ _LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt"
 def _valid_launcher_record(record: dict[str, Any]) -> bool:
     fields = _LAUNCHER_FIELDS.get(record.get("kind"))  # type: ignore[arg-type]
     return (fields is not None and _number(record.get("time")) and all(_integer(record.get(k)) for k in fields)
-            and isinstance(record.get("reason", ""), str) and (record.get("kind") != "launch" or _number(record.get("job_start", 0.0))))
+            and isinstance(record.get("reason", ""), str)
+            and (record.get("kind") != "launch" or _number(record.get("job_start", 0.0))))
 
 
 def _read_records(path: Path) -> Iterator[dict[str, Any] | None]:

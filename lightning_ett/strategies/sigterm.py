@@ -9,7 +9,8 @@ This keeps the guarantee (every rank stops when rank 0 is told to) with a CPU te
 (gloo, also in a ``cpu:gloo,cuda:nccl`` group) sent asynchronously and only every
 ``interval`` steps: each broadcast waits for the previous one's flag, which has long arrived, and
 no collective runs on the other steps (on a 2-core machine even gloo's background thread
-competes with the step's kernels). Every rank counts the same steps, so the collectives pair up. When the flag is set, every rank marks
+competes with the step's kernels). Every rank counts the same steps, so the collectives pair up.
+When the flag is set, every rank marks
 ``received_sigterm`` at the same step boundary, and Lightning's own end-of-batch check then
 stops all ranks after the same batch. The signal handler only records the signal (and
 forwards it to Lightning-launched children, as before).

@@ -72,9 +72,9 @@ def test_the_async_snapshot_equals_a_synchronous_save_at_the_same_step_while_tra
     assert fmt.newest_complete(ckpt).name == "step-000000016"  # the end-of-fit save, after waiting
 
 
-def test_a_restarted_job_resumes_automatically_and_matches_an_uninterrupted_run(tmp_path):
+def test_a_restarted_job_resumes_automatically_and_matches_an_uninterrupted_run(tmp_path, uninterrupted_dlrm):
     ckpt = tmp_path / "ckpt"
-    full = run_job(tmp_path / "full", "--max-steps", "12")
+    full, _ = uninterrupted_dlrm  # the same 12 steps, uninterrupted
     run_job(tmp_path / "first", "--max-steps", "6", "--async-every", "3", "--ckpt-dir", str(ckpt))
     resumed = run_job(tmp_path / "second", "--max-steps", "12", "--async-every", "3", "--ckpt-dir", str(ckpt))
     for a, b in zip(full, resumed, strict=True):

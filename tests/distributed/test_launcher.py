@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPTS, clean_env, run_script
+from conftest import REPO, SCRIPTS, clean_env
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
@@ -31,11 +31,9 @@ def ranks(out: Path) -> list[dict]:
     return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
 
 
-def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(tmp_path):
+def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(tmp_path, uninterrupted_dlrm):
     job = ["--max-steps", "12", "--async-every", "4", "--step-sleep", "0.1"]
-    (tmp_path / "full").mkdir()
-    full = run_script(JOB, "--out", str(tmp_path / "full"), *job, "--ckpt-dir", str(tmp_path / "full_ckpt"), timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
+    full_ranks, _ = uninterrupted_dlrm  # the same job run without interruption (checkpoints and sleeps change nothing)
 
     (tmp_path / "out").mkdir()
     proc = lightning_run("--devices", "2", "--max-restarts", "1", "--run-dir", str(tmp_path / "run"), JOB,
@@ -48,7 +46,7 @@ def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(
     # The newest checkpoint committed before the kill: step 8, or step 4 on a machine so loaded
     # that step 8's background write had not committed 0.1 s later.
     assert resumed_at in (4, 8), resumed_at
-    for a, b in zip(ranks(tmp_path / "full"), ranks(tmp_path / "out"), strict=True):
+    for a, b in zip(full_ranks, ranks(tmp_path / "out"), strict=True):
         assert b["global_step"] == 12
         assert a["losses"][resumed_at:] == b["losses"]  # the second attempt resumed by itself
         assert_equal_trees(a["model"], b["model"])
@@ -158,8 +156,9 @@ def test_a_worker_runs_the_script_as_python_would(tmp_path, start):
     for rank in (0, 1):
         facts = json.loads((tmp_path / f"facts{rank}.json").read_text())
         # torchrun's OMP_NUM_THREADS=1 for 2 processes on a node holds in forked workers too.
-        assert facts == {"name": "__main__", "argv": [str(script), str(tmp_path), "0", "--monitor", "--nnodes", "7"], "attempt": "0", "helper": 42,
-                         "threads": ["1", 1], "preloaded": start == "--preload"}
+        argv = [str(script), str(tmp_path), "0", "--monitor", "--nnodes", "7"]
+        assert facts == {"name": "__main__", "argv": argv, "attempt": "0", "helper": 42, "threads": ["1", 1],
+                         "preloaded": start == "--preload"}
     assert (tmp_path / "atexit.txt").read_text() == "ran"  # exit handlers ran
     assert (tmp_path / "thread.txt").read_text() == "joined"  # and non-daemon threads finished first
     bare_exit = lightning_run(*flags, "--max-restarts", "0", "--run-dir", str(tmp_path / "run1"), str(script),

@@ -67,7 +67,8 @@ def main() -> None:
     torch.manual_seed(0)
     callbacks = [ETTMonitor(run_dir=args.run_dir, log_every_n_steps=5)]
     if args.save_every:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1, save_last=True))
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
+                                         save_last=True))
     loggers = []
     if args.csv_dir:
         loggers.append(CSVLogger(args.csv_dir))

@@ -71,7 +71,8 @@ def main() -> None:
                              compile_kwargs={"backend": args.backend} if args.compile_module else None)
     if cache is not None:
         callbacks.append(cache)
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=callbacks, logger=CSVLogger(out, name="csv", version=0),
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=callbacks,
+                      logger=CSVLogger(out, name="csv", version=0),
                       log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     tracker = compile_tracker()
     model = Compiled(args.backend, args.width)

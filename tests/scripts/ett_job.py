@@ -34,7 +34,8 @@ def make_batch(step: int, rank: int, batch: int, rows: int) -> tuple[torch.Tenso
     ids = torch.randint(0, rows, (len(KEYS), batch), generator=g)
     # Learnable: the label depends on a dense feature and on the parity of the first id.
     labels = ((dense[:, 0] + (ids[0] % 2).float() * 2 - 1) > 0).float()
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=ids.reshape(-1), lengths=torch.ones(len(KEYS) * batch, dtype=torch.int32))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=ids.reshape(-1),
+                                              lengths=torch.ones(len(KEYS) * batch, dtype=torch.int32))
     return dense, kjt, labels
 
 
@@ -61,7 +62,8 @@ class ShardedDLRM(LightningModule):
             self.build()  # tables that exist only after ETTStrategy's overlap window
 
     def build(self) -> None:
-        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=self.rows, feature_names=[k]) for i, k in enumerate(KEYS)]
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=self.rows, feature_names=[k])
+                  for i, k in enumerate(KEYS)]
         torch.manual_seed(0)
         self.dlrm = DLRM(
             embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
@@ -184,7 +186,8 @@ def main() -> None:
         callbacks.append(BlockSave(args.block_tmp_of, Path(args.ckpt_dir)))
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      num_sanity_val_steps=0, enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),
+                      num_sanity_val_steps=0,
+                      enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),
                       gradient_clip_val=1.0)
     model = ShardedDLRM(args.rows, args.batch, build_in_setup=args.build_in_setup)
     model.sigterm_at = args.sigterm_at

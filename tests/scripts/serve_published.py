@@ -25,7 +25,8 @@ def main() -> None:
     publish_dir, predictions_dir, rows = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     version = publish_dir / (publish_dir / "latest").read_text().strip()
     manifest = json.loads((version / "manifest.json").read_text())
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[k]) for i, k in enumerate(KEYS)]
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[k])
+              for i, k in enumerate(KEYS)]
     model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables), dense_in_features=DENSE,
                  dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
     model.load_state_dict(torch.load(version / "model.pt", weights_only=True), strict=True)
