@@ -23,8 +23,8 @@ HERE = Path(__file__).resolve().parent
 def step_time(mode: str, out: Path, steps: int) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
     env["PYTHONPATH"] = str(HERE.parent)
-    proc = subprocess.run(check=False, args=[sys.executable, str(HERE / "throughput_job.py"), "--mode", mode, "--out", str(out),
-                           "--steps", str(steps)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(HERE / "throughput_job.py"), "--mode", mode, "--out", str(out),
+                           "--steps", str(steps)], check=False, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(out.read_text())["step_s"]

@@ -17,6 +17,15 @@ from typing_extensions import Self
 _MISSING = object()
 
 
+def _plain_class_attribute(cls: type, name: str) -> bool:
+    """``name`` is defined on ``cls`` (or a base) and is not a data descriptor such as a property."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            attribute = vars(klass)[name]
+            return not (hasattr(attribute, "__set__") or hasattr(attribute, "__delete__"))
+    return False
+
+
 class Patches:
     """A stack of patches, undone together (last first); undo is idempotent."""
 
@@ -24,11 +33,21 @@ class Patches:
         self._undo: list[tuple[str, Any, Any, Any]] = []
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
-        """Set ``owner.name``. On an instance whose class defines ``name``, undo deletes the
-        instance attribute so the class's own shows through again (other instances never change)."""
-        own = name in getattr(owner, "__dict__", {})
-        shadows_class = not own and not isinstance(owner, type) and hasattr(type(owner), name)
-        old = _MISSING if shadows_class else getattr(owner, name, _MISSING)
+        """Set ``owner.name``; undo puts back exactly what was there.
+
+        * ``owner`` holds ``name`` itself (an instance attribute, a module global, a class's own
+          method, staticmethod wrapper included): the raw value is restored.
+        * ``name`` comes from the class (a method shadowed on one instance, or a base class's
+          attribute on a subclass): undo deletes ours, so the inherited one shows through again.
+        * anything else (a property, a torch config module's entry): read, and set back.
+        """
+        own = getattr(owner, "__dict__", {})
+        if name in own:
+            old = own[name]
+        elif isinstance(owner, type) or _plain_class_attribute(type(owner), name):
+            old = _MISSING
+        else:
+            old = getattr(owner, name, _MISSING)
         setattr(owner, name, value)
         self._undo.append(("attr", owner, name, old))
 

@@ -37,8 +37,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(check=False, args=
-        [sys.executable, *args], env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd
+    return subprocess.run(
+        [sys.executable, *args], check=False, env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 

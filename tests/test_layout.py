@@ -14,7 +14,7 @@ from conftest import REPO, run_script
 
 PACKAGE = REPO / "lightning_ett"
 #: What each part may import from the package (besides itself). ``durable`` and ``patching``
-#: are the foundation: standard library only.
+#: are the foundation: nothing of the package.
 ALLOWED: dict[str, set[str]] = {
     "durable": set(),
     "patching": set(),

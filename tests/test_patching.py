@@ -27,6 +27,37 @@ def test_an_instance_patch_lets_the_class_method_show_through_again():
     patches.undo()  # idempotent
 
 
+class Base:
+    @staticmethod
+    def build() -> str:
+        return "base"
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @size.setter
+    def size(self, value: int) -> None:
+        self._size = value
+
+
+class Derived(Base):
+    pass
+
+
+def test_class_attributes_inherited_ones_and_properties_come_back_as_they_were():
+    derived, sized = Derived(), Base()
+    sized.size = 3
+    with Patches() as patches:
+        patches.setattr(Base, "build", staticmethod(lambda: "ours"))  # a class's own staticmethod
+        patches.setattr(Derived, "extra", 1)
+        patches.setattr(Derived, "build", staticmethod(lambda: "derived"))  # inherited: deleted on undo
+        patches.setattr(sized, "size", 7)  # a property: read, and set back
+        assert Base.build() == "ours" and derived.build() == "derived" and sized.size == 7
+    assert Base.build() == "base" and derived.build() == "base" and "build" not in vars(Derived)
+    assert not hasattr(Derived, "extra") and isinstance(vars(Base)["build"], staticmethod) and sized.size == 3
+
+
 def test_module_config_and_environment_patches_are_restored_in_reverse_order(monkeypatch):
     job_id, space = torch.compiler.config.job_id, torch._inductor.config.max_autotune_gemm_search_space
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # (inductor may set it when first imported)

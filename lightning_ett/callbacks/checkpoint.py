@@ -22,6 +22,7 @@ from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, PRIOR_MTBF_HOURS,
 from lightning_ett.checkpoint.staging import Stager
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
+from lightning_ett.durable.errors import explain
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
 from lightning_ett.instrument.ledger import failed_attempts
@@ -188,11 +189,8 @@ class AsyncCheckpoint(Checkpoint):
         self.dirpath = self.dirpath.absolute()
         self._agree_or_raise(trainer, writable_dir_error(self.dirpath, "AsyncCheckpoint(dirpath", trainer.global_rank),
                              "could not write to its dirpath")
-        if trainer.is_global_zero:
-            for said in remove_stale(self.dirpath, fmt.STEP_PATTERN, fmt.FORMAT):  # a crashed attempt's leftovers
-                rank_zero_info(f"AsyncCheckpoint: {said}")
-            for pin in self.dirpath.glob(f"step-*/{fmt.PIN_FILE}"):
-                pin.unlink(missing_ok=True)  # a publisher of a crashed attempt held it; retention may take it again
+        cleanup_error = self._clean_up_after_a_crash() if trainer.is_global_zero else None
+        self._agree_or_raise(trainer, cleanup_error, "could not clean up its dirpath")
         group = None
         if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = dist.new_group(backend="gloo")  # the writer's collectives never meet training's
@@ -208,6 +206,18 @@ class AsyncCheckpoint(Checkpoint):
         if self.resume:
             self._patch_resume(trainer)
         trainer.strategy.barrier("AsyncCheckpoint.setup")  # stale .tmp directories are gone everywhere
+
+    def _clean_up_after_a_crash(self) -> OSError | None:
+        """Rank 0: settle what a crashed attempt left (``.tmp``, ``.deleting``, ``.replaced``) and its publisher's pins."""
+        try:
+            for said in remove_stale(self.dirpath, fmt.STEP_PATTERN, fmt.FORMAT):
+                rank_zero_info(f"AsyncCheckpoint: {said}")
+            for pin in self.dirpath.glob(f"step-*/{fmt.PIN_FILE}"):
+                pin.unlink(missing_ok=True)  # a publisher of a crashed attempt held it; retention may take it again
+        except OSError as e:
+            return OSError(e.errno, f"AsyncCheckpoint: cleaning up {str(self.dirpath)!r} after a crash failed: "
+                                    f"{explain(e)}")
+        return None
 
     def _patch_resume(self, trainer: pl.Trainer) -> None:
         """Resume from the newest complete checkpoint when ``fit`` was given no ``ckpt_path``.

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_ett.durable import manifest
-from lightning_ett.durable.commit import recover_replaced
+from lightning_ett.durable.commit import replaced_path
 from lightning_ett.durable.manifest import MANIFEST_FILE, read_manifest
 
 META_FILE = "lightning.pt"
@@ -102,14 +102,20 @@ def looks_like_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def require_complete(path: str | os.PathLike) -> Path:
-    """``path`` if it is a complete checkpoint (restoring a copy a crash left aside); else raise naming the file."""
+    """``path`` if it is a complete checkpoint, else raise naming the file (sizes are checked, not checksums).
+
+    Read-only (every rank calls it): if a crash interrupted the replacement of ``path``, the
+    complete copy moved aside (``<path>.replaced``) is returned, with a warning.
+    """
     path = Path(path)
-    restored = recover_replaced(path, FORMAT)
-    if restored is not None:
-        warnings.warn(f"Checkpoint {str(path)!r}: {restored}.", stacklevel=2)
     problem = verify(path, checksums=False)
     if problem is None:
         return path
+    aside = replaced_path(path)
+    if not path.exists() and aside.is_dir() and verify(aside, checksums=False) is None:
+        warnings.warn(f"{str(path)!r} is missing (a crash interrupted its replacement); loading the previous copy "
+                      f"{str(aside)!r}.", stacklevel=2)
+        return aside
     hint = ""
     if (path / META_FILE).is_file() and not (path / MANIFEST_FILE).exists():
         hint = (" A directory with lightning.pt but no manifest is either unfinished or was written by "

@@ -66,7 +66,7 @@ def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any],
 
 
 def save_sharded(tensors: dict[str, Any], checkpoint: dict[str, Any], path: str | os.PathLike, rank: int,
-                 barrier: Callable[[], None], broadcast: Callable[[Any], Any]) -> None:
+                 broadcast: Callable[[Any], Any]) -> None:
     """Write ``tensors`` with DCP and ``checkpoint`` (the rest) as ``lightning.pt``, then commit (collective).
 
     Every rank writes its shards into ``<path>.tmp``; rank 0 writes ``lightning.pt`` and commits
@@ -78,8 +78,13 @@ def save_sharded(tensors: dict[str, Any], checkpoint: dict[str, Any], path: str 
     tmp = temp_path(final)
     error: str | None = None
     if rank == 0:
-        remove_path(tmp)
-    barrier()
+        try:
+            remove_path(tmp)  # an unfinished save of the same name
+        except OSError as e:
+            error = explain(e, tmp)
+    error = broadcast(error)  # (also the barrier: nobody writes before the old .tmp is gone)
+    if error is not None:
+        raise CheckpointWriteError(f"Preparing checkpoint {str(final)!r} failed on rank 0: {error}")
     try:
         dcp_io.write(tensors, tmp)
     except BaseException as e:

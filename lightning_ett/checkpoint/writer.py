@@ -11,7 +11,7 @@ A background write still takes CPU from training; two measures keep it small (to
 they took the training time a 1 GiB save costs from ~2.8 s to ~0.9 s here, below DCP's own
 ``async_save``; benchmarks/checkpoint_cost.py): torch.save's redundant zip CRC is off in this
 thread (see :func:`_skip_zip_crc_in_writer_threads`), and each file leaves the page cache once
-checksummed (:func:`lightning_ett.checkpoint.layout.crc32_of`): cached checkpoint pages made
+checksummed (:func:`lightning_ett.durable.manifest.crc32_of`): cached checkpoint pages made
 every later write slower and would evict the training data's pages.
 
 Order of a save of step ``s`` (names from :mod:`lightning_ett.checkpoint.layout`):
@@ -63,6 +63,30 @@ class WriteResult:
 _writer_thread = threading.local()
 
 
+class _ZipCrcSkip:
+    """The getter patch, shared by every writer of the process: installed by the first, undone by the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._patches = Patches()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                _skip_zip_crc_in_writer_threads(self._patches)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._patches.undo()
+
+
+_ZIP_CRC_SKIP = _ZipCrcSkip()
+
+
 def _skip_zip_crc_in_writer_threads(patches: Patches) -> None:
     """Make ``torch.save`` skip its zip CRC-32 in our writer threads only, until ``patches`` are undone.
 
@@ -76,13 +100,10 @@ def _skip_zip_crc_in_writer_threads(patches: Patches) -> None:
     from torch import serialization
 
     original = serialization.get_crc32_options
-    if getattr(original, "_ett_thread_aware", False):
-        return  # another writer's wrapper is in place (and answers for our threads too)
 
     def get_crc32_options() -> bool:
         return False if getattr(_writer_thread, "active", False) else original()
 
-    get_crc32_options._ett_thread_aware = True  # type: ignore[attr-defined]
     patches.setattr(serialization, "get_crc32_options", get_crc32_options)
 
 
@@ -108,8 +129,8 @@ class CheckpointWriter:
         self.group = group
         self.keep_last_n = keep_last_n
         self.device = device
-        self._patches = Patches()
-        _skip_zip_crc_in_writer_threads(self._patches)
+        _ZIP_CRC_SKIP.acquire()
+        self._closed = False
         self._future: Future[WriteResult | None] | None = None
         self._reported: Future[WriteResult | None] | None = None
         self._retention_lock = threading.Lock()
@@ -171,8 +192,10 @@ class CheckpointWriter:
         return future.result()
 
     def close(self) -> None:
-        """Undo the process-wide patch (after the last save is collected)."""
-        self._patches.undo()
+        """Give back the process-wide getter patch (undone when the process's last writer closes)."""
+        if not self._closed:
+            self._closed = True
+            _ZIP_CRC_SKIP.release()
 
     # ------------------------------------------------------------------ worker thread
     def _write(self, snapshot: Snapshot, step: int, blocked_s: float) -> WriteResult | None:
@@ -214,9 +237,10 @@ class CheckpointWriter:
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
         manifest = commit_directory(tmp, final, fmt.FORMAT, {"global_step": step, "time": time.time(), "seq": seq})
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
-        # Oldest commit first; the copy of `final` moved aside is gone, the new one is newest.
-        entries = [e for e in entries if e.path != final] + [fmt.CheckpointEntry(final, step, seq)]
-        self._apply_retention(entries)
+        try:  # the checkpoint is durable now: a failed deletion of old ones is a warning, never a failed save
+            self._apply_retention()
+        except OSError as e:
+            warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {explain(e)}", stacklevel=1)
         return sum(f["bytes"] for f in manifest["files"].values())
 
     def apply_retention_in_background(self) -> None:
@@ -224,14 +248,18 @@ class CheckpointWriter:
 
         def run() -> None:
             try:
-                self._apply_retention(fmt.committed(self.root))
+                self._apply_retention()
             except OSError as e:  # the next commit tries again; a warning, never a training error
-                warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {e!r}", stacklevel=1)
+                warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {explain(e)}",
+                              stacklevel=1)
 
         threading.Thread(target=run, name="ett-checkpoint-retention", daemon=True).start()
 
-    def _apply_retention(self, entries: list[fmt.CheckpointEntry]) -> None:
-        """Keep the ``keep_last_n`` most recently committed (``entries`` ends with the one just committed)."""
-        with self._retention_lock:  # the commit's pass and a release's pass never delete the same directory at once
-            for entry in fmt.to_delete(entries, self.keep_last_n):
+    def _apply_retention(self) -> None:
+        """Keep the ``keep_last_n`` most recently committed (listed under the lock: the commit's pass and a
+        release's pass never work from a stale listing, nor delete at once)."""
+        if self.keep_last_n is None:
+            return
+        with self._retention_lock:
+            for entry in fmt.to_delete(fmt.committed(self.root), self.keep_last_n):
                 retire(entry.path)

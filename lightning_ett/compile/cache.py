@@ -83,7 +83,10 @@ class Bundle:
         said = f"CompileCache: ignoring the compile bundle {str(self.blob)!r}: {why}."
         if not self.owner:
             return said
-        moved = [str(set_aside(path)) for path in (self.blob, self.info) if path.exists()]
+        try:
+            moved = [str(set_aside(path)) for path in (self.blob, self.info) if path.exists()]
+        except OSError as e:  # a cache must never stop training: it stays where it is, and is ignored again next time
+            return f"{said} It could not be moved aside ({e.strerror or e}); compiling from scratch."
         return f"{said} Moved aside to {moved[0]!r}; a new one is written after the next compile."
 
     def save(self) -> int | None:

@@ -70,9 +70,16 @@ def commit_directory(tmp: Path, final: Path, format_tag: str, fields: dict[str, 
 
 
 def retire(final: Path) -> None:
-    """Delete a committed directory: renamed to ``<name>.deleting`` first, so a half-deleted one never keeps its name."""
+    """Delete a committed directory: renamed to ``<name>.deleting`` first, so a half-deleted one never keeps its name.
+
+    Already gone is fine (two retention passes may pick the same directory).
+    """
     doomed = final.with_name(final.name + DELETING_SUFFIX)
-    os.replace(final, doomed)
+    remove_path(doomed)  # a crashed earlier deletion of the same name
+    try:
+        os.replace(final, doomed)
+    except FileNotFoundError:
+        return
     remove_path(doomed)
 
 

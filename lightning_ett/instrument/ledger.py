@@ -90,19 +90,19 @@ class RankLedger:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _valid_record(record: dict[str, Any]) -> bool:
+def _valid_record(record: dict[str, Any], phases: frozenset[str]) -> bool:
     """Whether a rank's record has the fields of its kind with the right types (else it is skipped and counted)."""
     kind = record.get("kind")
     if kind == "event":
         step = record.get("step")
-        return (isinstance(record.get("phase"), str) and _number(record.get("start")) and _number(record.get("end"))
+        return (record.get("phase") in phases and _number(record.get("start")) and _number(record.get("end"))
                 and record["end"] >= record["start"] and (step is None or _integer(step)))
     if kind == "header":
         return all(_number(record[k]) for k in ("job_start", "attempt_start", "process_start") if record.get(k) is not None)
@@ -118,8 +118,9 @@ _LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt"
 
 def _valid_launcher_record(record: dict[str, Any]) -> bool:
     fields = _LAUNCHER_FIELDS.get(record.get("kind"))  # type: ignore[arg-type]
+    reason = record.get("reason", None if record.get("kind") == "failure" else "")  # a failure must say why
     return (fields is not None and _number(record.get("time")) and all(_integer(record.get(k)) for k in fields)
-            and isinstance(record.get("reason", ""), str)
+            and isinstance(reason, str)
             and (record.get("kind") != "launch" or _number(record.get("job_start", 0.0))))
 
 
@@ -145,6 +146,9 @@ def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> li
             f"No ETT ledger under {str(run_dir)!r}: expected {str(root)!r}. "
             "Is this the run directory of a job that used ETTMonitor?"
         )
+    from lightning_ett.instrument.timeline import PHASE_NAMES  # (timeline imports this module)
+
+    phases = frozenset(PHASE_NAMES)
     ledgers = []
     for path in sorted(root.glob("attempt-*/rank-*.jsonl")):
         match = _FILE_RE.search(path.as_posix())
@@ -152,7 +156,7 @@ def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> li
             continue
         ledger = RankLedger(attempt=int(match.group(1)), rank=int(match.group(2)))
         for record in _read_records(path):
-            if record is None or not _valid_record(record):
+            if record is None or not _valid_record(record, phases):
                 ledger.torn_lines += 1
             elif record.get("kind") == "header":
                 # Later header records amend earlier ones (e.g. a job start learned on resume).

@@ -257,7 +257,8 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
             if attempt not in started:
                 continue
             end = max([r["time"] for r in said] + [started[attempt]])
-            infos.append(AttemptInfo(attempt, started[attempt], end, [], None, None, attempt in finished, failure))
+            infos.append(AttemptInfo(attempt, started[attempt], end, [], None, None, attempt in finished and not said,
+                                     failure))
             continue
         steps = [s for lg in group for s in _train_steps(lg)]
         infos.append(

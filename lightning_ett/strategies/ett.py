@@ -34,7 +34,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_ett.checkpoint import sharded as ckpt
-from lightning_ett.durable.files import remove_path
+from lightning_ett.durable.commit import retire
 from lightning_ett.instrument.timeline import Phase, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
@@ -387,7 +387,7 @@ class ETTStrategy(ParallelStrategy):
             raise TypeError("ETTStrategy.save_checkpoint(storage_options=...) is not supported: DCP writes the files.")
         checkpoint = dict(checkpoint)
         tensors = self.dcp_checkpoint_tensors(checkpoint)
-        ckpt.save_sharded(tensors, checkpoint, filepath, self.global_rank, self.barrier, lambda obj: self.broadcast(obj, src=0))
+        ckpt.save_sharded(tensors, checkpoint, filepath, self.global_rank, lambda obj: self.broadcast(obj, src=0))
 
     def dcp_checkpoint_tensors(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Take the sharded parts out of a Lightning ``checkpoint`` (in place) for a collective DCP write.
@@ -427,7 +427,7 @@ class ETTStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            remove_path(Path(filepath))
+            retire(Path(filepath))  # renamed first: a half-deleted checkpoint never keeps its name
 
     @override
     def on_train_start(self) -> None:

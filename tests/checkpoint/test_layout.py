@@ -79,3 +79,12 @@ def test_a_legacy_checkpoint_without_manifest_is_refused_until_adopted(tmp_path)
     assert fmt.require_complete(legacy) == legacy and fmt.load_meta(legacy)["global_step"] == 6
     with pytest.raises(FileExistsError):
         adopt(legacy)
+
+
+def test_a_crash_mid_replacement_loads_the_previous_copy_without_touching_the_files(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 4, 1)
+    aside = tmp_path / (ckpt.name + ".replaced")
+    ckpt.rename(aside)  # what a crash between "moved aside" and "renamed" leaves
+    with pytest.warns(UserWarning, match="a crash interrupted its replacement"):
+        assert fmt.require_complete(ckpt) == aside
+    assert aside.is_dir() and not ckpt.exists()  # every rank calls it: it only reads

@@ -28,6 +28,8 @@ BAD_LINES = [
     '{"kind":"event","phase":"train","start":1.0,"end":2.0,"step":"3"}',
     '{"kind":"header","job_start":"yesterday"}',
     '{"kind":"status","status":["finished"]}',
+    '{"kind":"event","phase":"warp_drive","start":1.0,"end":2.0}',  # a phase this version does not know
+    '{"kind":"event","phase":"train","start":1.0,"end":Infinity}',
     '{"kind":"event","phase":"tra',  # torn by a kill mid-write
 ]
 
@@ -49,7 +51,8 @@ def write_run(run: Path, bad: bool) -> None:
         with open(ledger_path(run, 0, 0), "a") as f:
             f.write("\n".join(BAD_LINES) + "\n")
         with open(launcher_ledger_path(run, 0), "a") as f:
-            f.write('[3]\n{"kind":"failure","attempt":"zero","rank":1,"time":"later"}\n{"kind":"end","time":"x"}\n')
+            f.write('[3]\n{"kind":"failure","attempt":"zero","rank":1,"time":"later"}\n{"kind":"end","time":"x"}\n'
+                    '{"kind":"failure","attempt":0,"rank":1,"time":104.5}\n')  # a failure that does not say why
 
 
 def test_malformed_lines_are_skipped_and_counted_and_the_numbers_do_not_change(tmp_path, capsys):
@@ -78,8 +81,8 @@ def test_a_malformed_fact_is_left_out_of_the_report(tmp_path, capsys):
 def test_a_script_that_exits_0_before_training_is_reported_as_finished_everywhere(tmp_path):
     script = tmp_path / "early.py"
     script.write_text("import sys\nfrom lightning_ett import ETTMonitor\nETTMonitor()\nsys.exit(0)\n")
-    proc = subprocess.run(check=False, args=[LIGHTNING, "run", "--no-preload", "--run-dir", str(tmp_path / "run"), str(script)],
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([LIGHTNING, "run", "--no-preload", "--run-dir", str(tmp_path / "run"), str(script)],
+                          check=False, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = summarize_run_dir(tmp_path / "run")
     assert summary.outcome == "finished" and summary.completed and [a.completed for a in summary.attempts] == [True]
