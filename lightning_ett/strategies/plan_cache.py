@@ -155,27 +155,32 @@ class PlanCache:
 
     def load(self, inputs: PlanInputs, tables: dict[str, Any]) -> ShardingPlan | None:
         path = self.path(inputs.key)
-        if not path.exists():
-            return None
+        read: os.stat_result | None = None
         try:
             with open(path, "rb") as f:
-                entry = pickle.load(f)
+                read = os.fstat(f.fileno())  # which file this was: another rank may replace it meanwhile
+                entry = pickle.load(f)  # only from the configured cache directory (see the class docstring)
             if not isinstance(entry, dict) or entry.get("key") != inputs.key or entry.get("inputs") != dataclasses.asdict(inputs):
                 raise ValueError("it was written for other inputs (tables, topology, sharders or torchrec version)")
             plan = entry["plan"]
             if not isinstance(plan, ShardingPlan):
                 raise TypeError(f"it holds a {type(plan).__name__}, not a ShardingPlan")
             check_plan_covers(plan, tables, f"plan cache {str(path)!r}")
+        except FileNotFoundError:
+            return None  # no entry for these inputs yet
         except Exception as e:  # noqa: BLE001 - any bad entry: say which, set it aside, plan again
-            self._set_aside(path, e)
+            self._set_aside(path, read, e)
             return None
         return plan
 
-    def _set_aside(self, path: Path, error: Exception) -> None:
+    def _set_aside(self, path: Path, read: os.stat_result | None, error: Exception) -> None:
         try:
+            now = os.stat(path)
+            if read is not None and (now.st_ino, now.st_mtime_ns) != (read.st_ino, read.st_mtime_ns):
+                raise FileNotFoundError  # another rank already replaced it with a good entry: leave that one
             moved = f"moved aside to {str(set_aside(path))!r}"
         except OSError:
-            moved = "another rank moved it aside"
+            moved = "another rank set it aside"
         warnings.warn(f"ETTStrategy: ignoring the plan cache entry {str(path)!r} ({type(error).__name__}: {error}); "
                       f"{moved}, planning again.", stacklevel=3)
 

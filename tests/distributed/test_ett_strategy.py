@@ -105,6 +105,26 @@ def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_pat
     assert other[0]["plan_source"] == "planner"  # other tables: a new entry, not the first one
     assert len(list(cache.glob("plan-*.pkl"))) == 2
 
+    # A cache file replaced by garbage: named in a warning, set aside, planned again; the job goes on.
+    entry = _entry_for(cache, first[0]["plan"])
+    entry.write_bytes(b"not a pickle")
+    proc = run_script(JOB, "--out", str(tmp_path / "d"), "--max-steps", "2", "--plan-cache", str(cache), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"ignoring the plan cache entry {str(entry)!r}" in proc.stderr
+    healed = torch.load(tmp_path / "d" / "rank0.pt", weights_only=False)
+    assert healed["plan_source"] == "planner" and healed["plan"] == first[0]["plan"]
+    assert len(list(cache.glob(f"{entry.name}.corrupt-*"))) >= 1 and entry.stat().st_size > 100  # rewritten
+
+
+def _entry_for(cache: Path, plan: str) -> Path:
+    """The cache file that holds ``plan`` (read by rank 0 of the job that wrote it)."""
+    import pickle
+
+    for path in cache.glob("plan-*.pkl"):
+        if str(pickle.loads(path.read_bytes())["plan"]) == plan:
+            return path
+    raise AssertionError(f"no cache entry holds the plan {plan!r}")
+
 
 def test_a_model_without_torchrec_modules_trains_data_parallel(tmp_path):
     proc = run_script(str(SCRIPTS / "boring_job.py"), "--run-dir", str(tmp_path / "run"), "--ett-strategy", "--devices", "2",
