@@ -14,9 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from lightning_ett.checkpoint.layout import FORMAT, META_FILE
+from lightning_ett.checkpoint.layout import FORMAT, META_FILE, read_meta
 from lightning_ett.durable.files import fsync_path
 from lightning_ett.durable.manifest import MANIFEST_FILE, write_manifest
 
@@ -29,7 +27,7 @@ def adopt(path: str | Path) -> dict:
     for required in (META_FILE, ".metadata"):
         if not (path / required).is_file():
             raise FileNotFoundError(f"{str(path / required)!r} is missing: {str(path)!r} is not a complete 0.1 checkpoint.")
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)  # it must at least load
+    meta = read_meta(path)  # it must at least load
     manifest = write_manifest(path, FORMAT, {"global_step": int(meta.get("global_step", 0)), "time": time.time(),
                                              "seq": 0, "adopted": True})
     fsync_path(path)

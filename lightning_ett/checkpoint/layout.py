@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from lightning_ett.durable import manifest
-from lightning_ett.durable.commit import replaced_path
+from lightning_ett.durable.commit import commit_directory, replaced_path
 from lightning_ett.durable.manifest import MANIFEST_FILE, read_manifest
 
 META_FILE = "lightning.pt"
@@ -124,9 +125,21 @@ def require_complete(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint: {problem}.{hint}")
 
 
-def load_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path) -> dict[str, Any]:
     """``lightning.pt`` of a complete checkpoint (everything but the DCP tensors)."""
     return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int) -> dict[str, Any]:
+    """Rank 0, once every rank's DCP files are in ``tmp``: write ``lightning.pt``, number the commit, commit.
+
+    The commit number orders checkpoints by when they were made, not by step: after a
+    roll-back (fit from an older checkpoint) the new line of checkpoints is the newest. Both
+    save paths (``trainer.save_checkpoint`` under ETTStrategy, AsyncCheckpoint's writer) end here.
+    """
+    torch.save(meta, tmp / META_FILE)
+    seq = next_seq(committed(final.parent))
+    return commit_directory(tmp, final, FORMAT, {"global_step": step, "time": time.time(), "seq": seq})
 
 
 def load_unsharded(path: str | os.PathLike) -> dict[str, Any]:
@@ -138,6 +151,6 @@ def load_unsharded(path: str | os.PathLike) -> dict[str, Any]:
     from lightning_ett.checkpoint.dcp_io import read_whole
 
     path = require_complete(path)
-    checkpoint = load_meta(path)
+    checkpoint = read_meta(path)
     checkpoint["state_dict"] = read_whole(path, "model")
     return checkpoint

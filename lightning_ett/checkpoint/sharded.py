@@ -16,20 +16,17 @@ an atomic rename): a directory without a valid manifest is refused on load, nami
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_ett.checkpoint import dcp_io
-from lightning_ett.checkpoint.layout import FORMAT, META_FILE, committed, next_seq, require_complete
-from lightning_ett.checkpoint.layout import load_meta as read_meta
+from lightning_ett.checkpoint.layout import commit_checkpoint, read_meta, require_complete
 from lightning_ett.checkpoint.writer import CheckpointWriteError
-from lightning_ett.durable.commit import commit_directory, temp_path
+from lightning_ett.durable.commit import temp_path
 from lightning_ett.durable.errors import explain
 from lightning_ett.durable.files import remove_path
 
@@ -91,10 +88,7 @@ def save_sharded(tensors: dict[str, Any], checkpoint: dict[str, Any], path: str 
         raise CheckpointWriteError(f"Writing checkpoint {str(final)!r} failed: {explain(e, tmp)}") from e
     if rank == 0:
         try:
-            torch.save(checkpoint, tmp / META_FILE)
-            entries = committed(final.parent)
-            commit_directory(tmp, final, FORMAT, {"global_step": int(checkpoint.get("global_step", 0)),
-                                                  "time": time.time(), "seq": next_seq(entries)})
+            commit_checkpoint(tmp, final, checkpoint, int(checkpoint.get("global_step", 0)))
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = explain(e, tmp)
     error = broadcast(error)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from lightning_ett.checkpoint import dcp_io
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.staging import Snapshot
-from lightning_ett.durable.commit import commit_directory, retire, temp_path
+from lightning_ett.durable.commit import retire, temp_path
 from lightning_ett.durable.errors import ExplainedError, explain
 from lightning_ett.durable.files import atomic_write_text
 from lightning_ett.patching import Patches
@@ -229,13 +229,8 @@ class CheckpointWriter:
 
     def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int) -> int:
         """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes."""
-        torch.save(meta, tmp / fmt.META_FILE)
-        # The commit number orders checkpoints by when they were made, not by step: after a
-        # roll-back (fit from an older checkpoint) the new line of checkpoints is the newest.
-        entries = fmt.committed(self.root)
-        seq = fmt.next_seq(entries)
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
-        manifest = commit_directory(tmp, final, fmt.FORMAT, {"global_step": step, "time": time.time(), "seq": seq})
+        manifest = fmt.commit_checkpoint(tmp, final, meta, step)
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         try:  # the checkpoint is durable now: a failed deletion of old ones is a warning, never a failed save
             self._apply_retention()

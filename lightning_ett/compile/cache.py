@@ -76,7 +76,7 @@ class Bundle:
         if cache_info is None:  # torch could not deserialize it (it logged why)
             return self._set_aside("it is corrupted (torch could not deserialize it)")
         self.valid_on_disk = True
-        self.loaded = {kind: len(keys) for kind, keys in getattr(cache_info, "artifacts", {}).items()}
+        self.loaded = _counts(cache_info)
         return None
 
     def _set_aside(self, why: str) -> str:
@@ -98,8 +98,7 @@ class Bundle:
             return None
         blob, cache_info = saved
         atomic_write_bytes(self.blob, blob)
-        counts = {kind: len(keys) for kind, keys in getattr(cache_info, "artifacts", {}).items()}
-        atomic_write_json(self.info, {"torch": torch.__version__, "artifacts": counts}, indent=None)
+        atomic_write_json(self.info, {"torch": torch.__version__, "artifacts": _counts(cache_info)}, indent=None)
         self.valid_on_disk = True
         return len(blob)
 
@@ -140,6 +139,11 @@ def probe_cpu_isa_in_background() -> None:
             log.debug(f"CompileCache: background ISA probe failed ({e!r}); the first compile will probe")
 
     threading.Thread(target=probe, name="ett-inductor-isa-probe", daemon=True).start()
+
+
+def _counts(cache_info: object) -> dict[str, int]:
+    """Artifacts per kind in a bundle's ``CacheInfo``."""
+    return {kind: len(keys) for kind, keys in getattr(cache_info, "artifacts", {}).items()}
 
 
 def _compiled_anything_new() -> bool:

@@ -76,7 +76,7 @@ def test_a_legacy_checkpoint_without_manifest_is_refused_until_adopted(tmp_path)
         fmt.require_complete(legacy)
     manifest = adopt(legacy)
     assert manifest["global_step"] == 6 and {"lightning.pt", ".metadata"} <= set(manifest["files"])
-    assert fmt.require_complete(legacy) == legacy and fmt.load_meta(legacy)["global_step"] == 6
+    assert fmt.require_complete(legacy) == legacy and fmt.read_meta(legacy)["global_step"] == 6
     with pytest.raises(FileExistsError):
         adopt(legacy)
 
