@@ -5,8 +5,10 @@ recommendation model's tables are updated) feeding a dense MLP whose step takes 
 One warm-up save (whatever a method reuses is then warm), then ``--saves`` measured saves;
 the medians are reported:
 
-* blocked: seconds the training thread spent in the save (for DCP with a background-staging
-  stager, plus the wait for staging to finish before the next step may mutate the state);
+* blocked: seconds the training thread spent in the save, plus, for the methods that stage in
+  the background (ours, DCP with a reused async stager, thread or process), the wait for
+  staging to finish right before the next step's optimizer step, the first thing that changes
+  this model's state (torchtitan waits at the same point);
 * cost: blocked + the extra step time (over the median step without a save) of every step that
   ran while the write was in flight — on a 2-core machine the writer competes with training.
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +31,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 DIM, BATCH = 256, 1024
-METHODS = ("torch_save", "lightning_async", "dcp_async_default", "dcp_async_stager", "ours")
+METHODS = ("torch_save", "lightning_async", "dcp_async_default", "dcp_async_stager", "dcp_async_process", "ours")
 
 
 class Steps(IterableDataset):
@@ -52,20 +56,44 @@ class BigState(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+def _stager(process: bool) -> Any:
+    """DCP's DefaultStager as torchtitan configures it (``async_with_pinned_mem``), minus what needs CUDA.
+
+    Pinned memory and non-blocking copies assert on a CPU-only machine; shared memory is what
+    the process-based checkpointer hands its worker the staged tensors in.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=process, use_async_staging=True,
+                                        use_non_blocking_copy=False))
+
+
 class Saver:
-    """start(trainer) -> None (blocking part); ready() before the next step; done() when durable."""
+    """start(trainer): the blocking part; ready(): before the next mutation; done(); finish(): durable.
+
+    Retention is the same for every method: after a save is durable, the one before it is
+    deleted (ours: ``keep_last_n=1``, in its writer), so every method writes next to one
+    earlier checkpoint and the page cache holds no more of the others' files than of ours.
+    """
 
     def __init__(self, method: str, root: Path) -> None:
         self.method, self.root, self.n = method, root, 0
         self.future: Any = None
         self.staging: Any = None
+        self.waited = 0.0  # seconds ready() blocked the training thread for the save in flight
         self.async_checkpoint: Any = None
-        if method == "dcp_async_stager":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        self.snapshot: Any = None
+        self.kept: Path | None = None
+        if method in ("dcp_async_stager", "dcp_async_process"):
+            self.stager = _stager(process=method == "dcp_async_process")
+        if method == "dcp_async_process":
+            import torch.distributed as dist
 
-            # CUDA-only options off (the defaults assert on a CPU-only machine); staging in the background.
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=False))
+            if not dist.is_initialized():  # the process-based checkpointer needs a process group, even of one
+                from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))
+                dist.init_process_group("gloo", rank=0, world_size=1)
         if method == "ours":
             from lightning_ett import AsyncCheckpoint
 
@@ -76,6 +104,7 @@ class Saver:
         import torch.distributed.checkpoint as dcp
 
         self.n += 1
+        self.waited = 0.0
         path = self.root / f"save{self.n}"
         if self.method == "torch_save":
             trainer.save_checkpoint(path)
@@ -84,17 +113,30 @@ class Saver:
             self.future = trainer.strategy.checkpoint_io._executor.submit(lambda: None)  # FIFO: done after the save
         elif self.method == "dcp_async_default":
             self.future = dcp.async_save({"model": trainer.lightning_module.state_dict()}, checkpoint_id=str(path))
-        elif self.method == "dcp_async_stager":
+        elif self.method in ("dcp_async_stager", "dcp_async_process"):
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            kind = AsyncCheckpointerType.PROCESS if self.method == "dcp_async_process" else AsyncCheckpointerType.THREAD
             response = dcp.async_save({"model": trainer.lightning_module.state_dict()}, checkpoint_id=str(path),
-                                      async_stager=self.stager)
+                                      async_stager=self.stager, async_checkpointer_type=kind)
             self.staging, self.future = response.staging_completion, response.upload_completion
         else:
             self.async_checkpoint._save(trainer)
+            self.snapshot = self.async_checkpoint._snapshot
+        if self.method != "ours":
+            self.previous, self.kept = self.kept, path
 
     def ready(self) -> None:
+        """Right before the optimizer step, the first mutation of this model (torchtitan waits there too)."""
         if self.staging is not None:
-            self.staging.result()  # no mutation before the snapshot is complete
+            t = time.perf_counter()
+            self.staging.result()
+            self.waited += time.perf_counter() - t
             self.staging = None
+
+    def waited_s(self) -> float:
+        """The part of the save's blocking that happened inside a training step."""
+        return self.snapshot.settle_wait_s if self.snapshot is not None else self.waited
 
     def done(self) -> bool:
         if self.method == "ours":
@@ -106,13 +148,16 @@ class Saver:
             self.future.result()
         if self.method == "ours":
             self.async_checkpoint._writer.wait()
+        elif self.previous is not None:
+            shutil.rmtree(self.previous) if self.previous.is_dir() else self.previous.unlink()
+            self.previous = None
 
 
 class Driver(Callback):
     """warm-up -> save 0 (not measured) -> drain -> K x [baseline steps -> measured save -> drain] -> stop.
 
     Several measured saves in one process: the steady state of a job that checkpoints
-    periodically (buffers warm, earlier checkpoints on disk), and a median against noise.
+    periodically (buffers warm, one earlier checkpoint on disk), and a median against noise.
     """
 
     def __init__(self, saver: Saver, measured_saves: int, baseline_steps: int = 20) -> None:
@@ -125,11 +170,10 @@ class Driver(Callback):
         self.results: list[dict[str, float]] = []
         self.staging_bytes: int | None = None
 
+    def on_before_optimizer_step(self, trainer, *args):  # type: ignore[no-untyped-def]
+        self.saver.ready()
+
     def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
-        if self.stage == "measure":
-            t = time.perf_counter()
-            self.saver.ready()
-            self.blocked += time.perf_counter() - t
         self.step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
@@ -139,7 +183,6 @@ class Driver(Callback):
             self.saver.start(trainer)
             self.stage, self.count = "drain", 0
         elif self.stage == "drain":
-            self.saver.ready()
             if self.saver.done() and self.count >= 3:
                 self.saver.finish()
                 if len(self.results) == self.measured_saves:
@@ -163,9 +206,12 @@ class Driver(Callback):
                 write_s = time.perf_counter() - self.write_started
                 self.saver.finish()
                 step = statistics.median(self.baseline)
-                slowdown = sum(self.during) - step * len(self.during)  # unclipped: noise cancels rather than adds up
-                self.results.append({"blocked_s": self.blocked, "slowdown_s": slowdown, "cost_s": self.blocked + slowdown,
-                                     "write_s": write_s, "steps_during_write": len(self.during), "step_s": step})
+                waited = self.saver.waited_s()  # blocked inside a step: counted as blocked, not as slowdown
+                slowdown = sum(self.during) - waited - step * len(self.during)  # unclipped: noise cancels
+                blocked = self.blocked + waited
+                self.results.append({"blocked_s": blocked, "boundary_s": self.blocked, "waited_s": waited,
+                                     "slowdown_s": slowdown, "cost_s": blocked + slowdown, "write_s": write_s,
+                                     "steps_during_write": len(self.during), "step_s": step})
                 self.stage, self.count = "drain", 0
 
 
@@ -175,7 +221,7 @@ def main() -> None:
     p.add_argument("--gib", type=float, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--saves", type=int, default=3, help="measured saves (after one warm-up save)")
+    p.add_argument("--saves", type=int, default=5, help="measured saves (after one warm-up save)")
     args = p.parse_args()
     root = Path(args.dir)
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -19,7 +20,7 @@ from typing_extensions import override
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, PRIOR_MTBF_HOURS, CadenceDecision, CadenceTracker
-from lightning_ett.checkpoint.staging import Stager
+from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
 from lightning_ett.durable.errors import explain
@@ -46,11 +47,19 @@ class CheckpointListener(Protocol):
 class AsyncCheckpoint(Checkpoint):
     r"""Checkpoint without stopping training: snapshot at a step boundary, write in the background.
 
-    At a due step (after the optimizer step, before the next forward/backward — TorchRec's
-    fused optimizer updates tables *during* backward, so this is the last safe point) the
-    whole Lightning checkpoint — model, dense and fused optimizers, loops, callbacks,
-    datamodule — is copied into CPU buffers reused across saves (pinned, with non-blocking
-    copies, on CUDA; no second copy on the accelerator). A worker thread then writes it with
+    At a due step's boundary (after the optimizer step) the whole Lightning checkpoint —
+    model, dense and fused optimizers, loops, callbacks, datamodule — is snapshotted into CPU
+    buffers reused across saves (pinned on CUDA; no second copy on the accelerator). Only the
+    small part is copied at the boundary: everything but the parameters and the optimizers'
+    states, which are copied by the writer thread while the next step fetches its batch and
+    runs its forward pass. The training thread waits for that copy only right before the
+    first thing that could change them: the backward pass when TorchRec's fused optimizer
+    updates tables in it, else the optimizer step (on CUDA it does not wait at all: the copies
+    run on a side stream and the compute stream waits for their event). The snapshot is the
+    state at the due step, bit for bit; one changed earlier (an in-place update in forward) is
+    detected by its version counter, never written, and the save is taken again at the next
+    step boundary with that tensor copied at once (see :mod:`lightning_ett.checkpoint.staging`).
+    The writer thread then writes it with
     ``torch.distributed.checkpoint`` while training continues, and commits it atomically:
     fsync, ``manifest.json`` with CRC-32s, rename, ``latest``, retention. See
     :mod:`lightning_ett.checkpoint.layout` for the layout and :mod:`lightning_ett.durable.commit` for the commit.
@@ -81,6 +90,10 @@ class AsyncCheckpoint(Checkpoint):
             checkpoint in ``dirpath`` (damaged ones are skipped with a warning naming them).
             An explicit ``ckpt_path`` always wins.
         verify_checksums: on resume, check every file's CRC-32 (else only its size).
+        overlap_staging: copy parameters and optimizer states in the background while the
+            next step's forward runs (default). ``False`` copies everything at the boundary:
+            for a model that changes its parameters in forward through ``.data`` or a raw
+            kernel, which no version counter sees.
         mtbf_hours: ``"auto"`` only: the job's mean time between failures. ``None``: the
             job's wall time divided by the failures its ledger recorded (previous attempts
             that did not finish; under ``lightning run`` or with ETTMonitor), or 24 h before
@@ -89,8 +102,9 @@ class AsyncCheckpoint(Checkpoint):
             are. (The shortest interval is automatic: 1.25 write durations, so saves never pile up.)
 
     ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
-    write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``
-    and ``checkpoint/staging_bytes``); the load on resume is ``checkpoint_load``.
+    write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``,
+    ``checkpoint/staging_bytes`` and ``checkpoint/overlapped_bytes``, the part copied while the
+    next step ran); the load on resume is ``checkpoint_load``.
 
     A failure of the background writer (disk full, permissions, I/O error) is raised on the
     training thread at the next save or at the end of ``fit`` as ``CheckpointWriteError``.
@@ -108,6 +122,7 @@ class AsyncCheckpoint(Checkpoint):
         verify_checksums: bool = True,
         mtbf_hours: float | None = None,
         max_interval_minutes: float = 60.0,
+        overlap_staging: bool = True,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
             raise TypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
@@ -140,6 +155,8 @@ class AsyncCheckpoint(Checkpoint):
             raise ValueError(f"AsyncCheckpoint(keep_last_n={keep_last_n!r}): expected an int >= 1, or None to keep all.")
         if when_busy not in ("skip", "wait"):
             raise ValueError(f"AsyncCheckpoint(when_busy={when_busy!r}): expected 'skip' or 'wait'.")
+        if not isinstance(overlap_staging, bool):
+            raise TypeError(f"AsyncCheckpoint(overlap_staging={overlap_staging!r}): expected True or False.")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.auto = auto
@@ -151,12 +168,17 @@ class AsyncCheckpoint(Checkpoint):
         self.when_busy: WhenBusy = when_busy
         self.resume = resume
         self.verify_checksums = verify_checksums
+        self.overlap_staging = overlap_staging
         # resumable state
         self.last_saved_step = -1
         self.saves = 0
         self.skipped = 0
         # per-fit state
         self._stager = Stager()
+        self._snapshot: Snapshot | None = None  # staged, its late copy not yet settled and verified
+        self._verify_after: int | None = None  # the step of a snapshot to verify at the next boundary (every rank)
+        self._copy_at_boundary: set[int] = set()  # storages seen changing before settle: never copied late again
+        self._settle_before_backward = False
         self._writer: CheckpointWriter | None = None
         self._last_save_time = time.monotonic()
         self._steps_seen = 0
@@ -258,6 +280,7 @@ class AsyncCheckpoint(Checkpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle_before_backward = _mutates_in_backward(trainer)  # the strategy has wrapped the model by now
         if trainer.global_step > 0:  # resumed: the restored step is saved already
             self.last_saved_step = max(self.last_saved_step, trainer.global_step)
         if self.auto:
@@ -295,10 +318,45 @@ class AsyncCheckpoint(Checkpoint):
             self._batch_start = time.perf_counter()
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._settle_before_backward:
+            self._settle()  # TorchRec's fused optimizer updates the tables inside backward
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        """Before the first mutation after a snapshot: wait for (CPU) or order after (CUDA) its late copy."""
+        if self._snapshot is not None:
+            self._snapshot.settle()
+
+    def _verify_last_snapshot(self, trainer: pl.Trainer) -> None:
+        """At the boundary after a save: if on any rank a tensor changed before it was copied, save again now."""
+        snapshot, self._snapshot, self._verify_after = self._snapshot, None, None
+        changed = snapshot.settle() if snapshot is not None else []
+        (void,) = self._agree(trainer, bool(changed))
+        if not void:
+            return
+        if snapshot is not None:
+            self._copy_at_boundary |= snapshot.changed_storages
+        if changed:
+            warnings.warn(f"AsyncCheckpoint: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} changed before "
+                          f"the snapshot of step {self.last_saved_step} had copied {'it' if len(changed) == 1 else 'them'} "
+                          "(an in-place update after the step, e.g. in forward); that snapshot was dropped and step "
+                          f"{trainer.global_step} is saved instead, with {'it' if len(changed) == 1 else 'them'} copied at "
+                          "the boundary from now on.", stacklevel=1)
+        self.saves -= 1
+        self._wait_agreed(trainer)  # the dropped save ends at once
+        self._save(trainer)
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         assert self._writer is not None
         now = time.perf_counter()
+        if self._verify_after is not None and trainer.global_step > self._verify_after:
+            self._verify_last_snapshot(trainer)
         if _accumulating(trainer):
             self._report(trainer, self._writer.poll())
             return  # not a step boundary: gradients of this optimizer step are still being accumulated
@@ -366,14 +424,28 @@ class AsyncCheckpoint(Checkpoint):
                 _require_full_copy(trainer, checkpoint.get("state_dict", {}))
                 tensors = {"model": checkpoint.pop("state_dict")} if trainer.is_global_zero else None
             if tensors is not None:  # (replicated state: rank 0 writes it all)
-                snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint})
-                self._writer.submit(snapshot, step, blocked_s=time.perf_counter() - start)
+                late = self._late_storages(trainer) if self.overlap_staging and not final else set()
+                self._snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint}, late)
+                self._writer.submit(self._snapshot, step, blocked_s=time.perf_counter() - start)
+            self._verify_after = step
             self.cadence.save_started()
         for listener in list(self._listeners):
             listener.on_checkpoint_snapshot(trainer, step)
         self.last_saved_step = step
         self.saves += 1
         self._last_save_time = time.monotonic()
+
+    def _late_storages(self, trainer: pl.Trainer) -> set[int]:
+        """What may be copied after the boundary: parameters and optimizer states (nothing else changes before
+        backward / the optimizer step), minus what was seen changing earlier."""
+        owners: list[Any] = [list(trainer.lightning_module.parameters())]
+        if trainer.strategy.model is not None and trainer.strategy.model is not trainer.lightning_module:
+            owners.append(list(trainer.strategy.model.parameters()))
+        owners += [list(optimizer.state.values()) for optimizer in trainer.optimizers]
+        fused = getattr(trainer.strategy, "fused_optimizer_instance", None)
+        if fused is not None:
+            owners.append(list(fused.state.values()))
+        return storages(owners) - self._copy_at_boundary
 
     def _agree(self, trainer: pl.Trainer, *flags: bool | float) -> list[Any]:
         """Each value max-ed over all ranks (flags: OR-ed): one small all-reduce, only when a save is due."""
@@ -394,6 +466,7 @@ class AsyncCheckpoint(Checkpoint):
     def _wait_agreed(self, trainer: pl.Trainer) -> None:
         """Wait for the save in flight; if it failed on any rank, raise on every rank."""
         assert self._writer is not None
+        self._settle()  # the writer waits for it
         error: CheckpointWriteError | None = None
         try:
             self._report(trainer, self._writer.wait())
@@ -407,8 +480,9 @@ class AsyncCheckpoint(Checkpoint):
         self._best_model_path = str(result.path)
         blocked = result.blocked_s
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
-                   "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes)}
-        cost = self.cadence.observe_save(blocked, result.seconds)
+                   "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
+                   "checkpoint/overlapped_bytes": float(result.overlapped_bytes)}
+        cost = self.cadence.observe_save(blocked - result.settle_s, result.seconds)  # settle's wait is in a timed step
         metrics["checkpoint/save_cost_s"] = cost
         decision = self._decide()
         if decision is not None:
@@ -419,7 +493,8 @@ class AsyncCheckpoint(Checkpoint):
         log_to_loggers(trainer, metrics)
         rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({result.bytes / 2**20:.1f} MiB; "
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
-                       f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB)")
+                       f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB, of which "
+                       f"{result.overlapped_bytes / 2**20:.1f} MiB copied while the next step ran)")
         if self.auto and decision is not None:
             self._log_decision(decision)
         for listener in list(self._listeners):
@@ -478,6 +553,7 @@ class AsyncCheckpoint(Checkpoint):
                     self._save(trainer, final=True)
                     self._wait_agreed(trainer)
                 else:
+                    self._settle()
                     self._writer.wait(timeout=_EXCEPTION_WAIT_S)  # a save in flight may still complete
             except Exception as e:  # noqa: BLE001 - the training error is the one to raise; report this one
                 rank_zero_warn(f"AsyncCheckpoint: the checkpoint in flight when training failed was not saved: {e!r}")
@@ -489,6 +565,8 @@ class AsyncCheckpoint(Checkpoint):
             self._cleanup()
 
     def _cleanup(self) -> None:
+        self._settle()  # a writer thread still waiting for it may finish
+        self._snapshot, self._verify_after = None, None
         self._patches.undo()
         if self._writer is not None:
             self._writer.close()
@@ -538,6 +616,20 @@ def _require_full_copy(trainer: pl.Trainer, state_dict: dict[str, Any]) -> None:
             "sharded state only with ETTStrategy (or a strategy with `dcp_checkpoint_tensors`). Use ETTStrategy, or a "
             "strategy that keeps a full copy of the model on every rank (single device, DDP)."
         )
+
+
+def _mutates_in_backward(trainer: pl.Trainer) -> bool:
+    """Does backward change parameters? (TorchRec: an optimizer applied in backward, or fused into the tables.)"""
+    if getattr(trainer.strategy, "fused_optimizer_instance", None) is not None:
+        return True
+    modules = [trainer.lightning_module] + ([trainer.strategy.model] if trainer.strategy.model is not None else [])
+    if any(hasattr(p, "_in_backward_optimizers") for m in modules for p in m.parameters()):
+        return True
+    try:
+        from torchrec.optim.fused import FusedOptimizerModule
+    except ImportError:
+        return False
+    return any(isinstance(sub, FusedOptimizerModule) for m in modules for sub in m.modules())
 
 
 def _accumulating(trainer: pl.Trainer) -> bool:

@@ -1,124 +1,279 @@
-"""Snapshot a checkpoint into CPU buffers that are reused from one save to the next.
+"""Snapshot a checkpoint into CPU buffers reused from save to save, copying the bulk off the training thread.
 
-Why not ``torch.save`` on a clone, or DCP's default stager: both allocate a fresh copy per
-save (the default ``dcp.async_save`` stager blocked 0.4–1.9 s per GiB here). The buffers are
-built once with DCP's own helpers (``_create_cpu_state_dict``, which knows ShardedTensor and
-DTensor) and refilled with ``_copy_state_dict``; they are rebuilt only when the state's
-structure changes (e.g. an optimizer that creates its state lazily).
+A save of step ``s`` must hold the state at ``s``, bit for bit, yet the training loop should
+not wait for a copy of every byte. What the next step changes, and when:
 
-On CUDA the buffers are pinned and filled with non-blocking copies on the current stream:
-the training thread does not wait, and every kernel that could mutate the state afterwards
-(backward with TorchRec's fused optimizer, ``optimizer.step``) is queued behind the copies
-on that stream, so the snapshot is complete before anything changes. The writer waits on a
-CUDA event before it reads the buffers. On CPU the copy is synchronous: it *is* the
-blocking part of a save. There is never a second copy on the accelerator.
+* its batch fetch and forward pass change nothing we copy late (see below);
+* its backward pass changes the tables when TorchRec fuses their optimizer into backward;
+* its ``optimizer.step`` changes the dense parameters and the optimizer's state.
+
+So :meth:`Stager.stage` splits the state at the due step's boundary:
+
+* **now**, on the training thread: the structure, every non-tensor leaf (Lightning's loop and
+  callback state, which the next step changes) and every tensor that is *not* the storage of a
+  parameter or of an optimizer's state — buffers such as BatchNorm's running statistics, which
+  forward updates, and anything else we cannot vouch for;
+* **late**, in the writer's thread: the parameters and optimizer states, the bulk of the bytes.
+  :meth:`Snapshot.settle` is called on the training thread right before the first mutation
+  (AsyncCheckpoint: ``on_before_backward`` with fused tables, else ``on_before_optimizer_step``)
+  and waits only for what is still being copied.
+
+Then it checks that the late tensors were not changed before that point: every in-place op
+bumps a tensor's version counter, so a changed version means the copy may hold a newer value.
+Such a snapshot is never committed (the writer waits for the verdict); AsyncCheckpoint saves again
+at the next boundary with those tensors copied at once. (In-place writes through ``.data`` or
+raw kernels bump no version: a model that mutates parameters that way in forward needs
+``AsyncCheckpoint(overlap_staging=False)``, which copies everything at the boundary.)
+
+On CUDA the late copies go to pinned buffers on a side stream that first waits for an event
+recorded on the compute stream at the boundary; ``settle`` makes the compute stream wait for
+the copies' event, so the host never blocks and no copy ever runs on the compute stream.
+
+Why not DCP's ``DefaultStager(StagingOptions(use_async_staging=True))``: it copies *everything*
+in its thread, so buffers that forward updates and the loop state the next step changes race
+with the copy; it cannot tell a caller that something changed too early; and on CUDA its copy
+stream does not wait for the compute stream's queued work and its completion is a host-side
+future, so the loop must block the host before queueing a mutation. The buffers are built with
+DCP's own helper (``_create_cpu_state_dict``, which knows ShardedTensor and DTensor) and are
+rebuilt only when the state's structure changes (e.g. an optimizer that creates its state lazily).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import threading
+import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import (
-    CompanionMismatch,
-    _copy_state_dict,
-    _create_cpu_state_dict,
-    _iterate_state_dict,
-)
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
+
+
+def _leaves(obj: Any) -> Iterable[Any]:
+    """The tensor leaves of a state (tensors, ShardedTensors, DTensors), in traversal order."""
+    if isinstance(obj, torch.Tensor):  # ShardedTensor and DTensor are tensors too
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _leaves(value)
+
+
+def _local_tensors(obj: Any) -> Iterable[torch.Tensor]:
+    """Every plain tensor this rank holds in ``obj`` (ShardedTensor shards, DTensor local parts), in order."""
+    for leaf in _leaves(obj):
+        if isinstance(leaf, ShardedTensor):
+            yield from (shard.tensor for shard in leaf.local_shards())
+        elif isinstance(leaf, DTensor):
+            yield leaf._local_tensor
+        else:
+            yield leaf
 
 
 def _signature(state: Any) -> list[tuple[Any, ...]]:
-    """Shapes, dtypes and devices of every tensor, in order: equal signatures mean the buffers fit.
+    """Shapes, dtypes and devices of every tensor leaf, in order: equal signatures mean the buffers fit.
 
     (DCP's ``_check_state_dict_similarity`` would do, but it also copies every tensor.)
     """
     sig: list[tuple[Any, ...]] = []
-
-    def tensor(obj: torch.Tensor, *_: Any) -> torch.Tensor:
-        sig.append(("t", tuple(obj.shape), obj.dtype, obj.device.type))
-        return obj
-
-    def sharded(obj: Any, *_: Any) -> Any:
-        sig.append(("st", tuple(obj.size()), obj.dtype, obj.device.type,
-                    tuple((tuple(s.metadata.shard_offsets), tuple(s.tensor.shape)) for s in obj.local_shards())))
-        return obj
-
-    def dtensor(obj: Any, *_: Any) -> Any:
-        sig.append(("dt", tuple(obj.shape), tuple(obj._local_tensor.shape), obj.dtype, obj.device.type))
-        return obj
-
-    _iterate_state_dict(state, sharded, dtensor, tensor, type_check=False)
+    for leaf in _leaves(state):
+        if isinstance(leaf, ShardedTensor):
+            sig.append(("st", tuple(leaf.size()), leaf.dtype, leaf.device.type,
+                        tuple((tuple(s.metadata.shard_offsets), tuple(s.tensor.shape)) for s in leaf.local_shards())))
+        elif isinstance(leaf, DTensor):
+            sig.append(("dt", tuple(leaf.shape), tuple(leaf._local_tensor.shape), leaf.dtype, leaf.device.type))
+        else:
+            sig.append(("t", tuple(leaf.shape), leaf.dtype, leaf.device.type))
     return sig
 
 
 def state_nbytes(state: Any) -> int:
-    total = 0
+    return sum(t.numel() * t.element_size() for t in _local_tensors(state))
 
-    def tensor(obj: torch.Tensor, *_: Any) -> torch.Tensor:
-        nonlocal total
-        total += obj.numel() * obj.element_size()
-        return obj
 
-    def sharded(obj: Any, *_: Any) -> Any:
-        for shard in obj.local_shards():
-            tensor(shard.tensor)
-        return obj
+def storages(objects: Iterable[Any]) -> set[int]:
+    """The storage addresses of every tensor in ``objects`` (tensors, state dicts, optimizer states)."""
+    return {t.untyped_storage().data_ptr() for obj in objects for t in _local_tensors(obj) if t.numel()}
 
-    def dtensor(obj: Any, *_: Any) -> Any:
-        tensor(obj._local_tensor)
-        return obj
 
-    _iterate_state_dict(state, sharded, dtensor, tensor, type_check=False)
-    return total
+class _Plan:
+    """The staged structure, and which (source, buffer) pairs to copy now and which later.
+
+    Buffers are matched to the state's tensor leaves by position (equal signatures guarantee
+    they fit); the structure around them is rebuilt from the state each time, so a list in
+    Lightning's callback state that grows from one save to the next costs no new buffers.
+    """
+
+    def __init__(self, buffers: list[Any], late_storages: set[int]) -> None:
+        self._buffers = iter(buffers)
+        self.late_storages = late_storages
+        self.now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.late: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # (name, source, buffer, version)
+
+    def pair(self, src: Any, name: str) -> Any:
+        if isinstance(src, ShardedTensor):
+            dst = next(self._buffers)
+            for i, (a, b) in enumerate(zip(src.local_shards(), dst.local_shards(), strict=True)):
+                self._tensor(a.tensor, b.tensor, f"{name}[shard {i}]")
+            return dst
+        if isinstance(src, DTensor):
+            dst = next(self._buffers)
+            self._tensor(src._local_tensor, dst._local_tensor, name)
+            return dst
+        if isinstance(src, torch.Tensor):
+            dst = next(self._buffers)
+            self._tensor(src, dst, name)
+            return dst
+        if isinstance(src, dict):
+            return {k: self.pair(v, f"{name}.{k}" if name else str(k)) for k, v in src.items()}
+        if isinstance(src, (list, tuple)):
+            items = [self.pair(v, f"{name}[{i}]") for i, v in enumerate(src)]
+            return tuple(items) if isinstance(src, tuple) else items
+        return copy.deepcopy(src)  # loop counters, hyper-parameters: the next step may change them
+
+    def _tensor(self, src: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+        if src.numel() and src.untyped_storage().data_ptr() in self.late_storages:
+            self.late.append((name, src, dst, src._version))
+        else:
+            self.now.append((src, dst))
+
+
+def _copy_delay() -> float:
+    """Fault injection for tests: ``LIGHTNING_ETT_FAULT_STAGE_DELAY_S`` holds the late copy back this long."""
+    return float(os.environ.get("LIGHTNING_ETT_FAULT_STAGE_DELAY_S", "0") or 0)
 
 
 class Snapshot:
-    """A staged state: its tensors live in the stager's buffers until the next :meth:`Stager.stage`."""
+    """A staged state: its tensors live in the stager's buffers until the next :meth:`Stager.stage`.
 
-    def __init__(self, state: dict[str, Any], event: Any | None) -> None:
+    Two threads: the writer runs :meth:`copy_late`, :meth:`wait_copied`, writes, and commits
+    only if :meth:`valid`; the training thread calls :meth:`settle` before it mutates anything.
+    """
+
+    def __init__(self, state: dict[str, Any], late: list[tuple[str, torch.Tensor, torch.Tensor, int]],
+                 boundary: Any | None) -> None:
         self.state = state
-        self._event = event
+        self._late = late
+        self._boundary = boundary  # CUDA event on the compute stream at the due step's boundary
+        self._copied_event: Any | None = None  # CUDA event after the late copies, on the side stream
+        self._copied = threading.Event()
+        self._copy_error: BaseException | None = None
+        self._settled = threading.Event()
+        self.changed_early: list[str] = []  # late tensors that changed before settle (the snapshot is void)
+        self.changed_storages: set[int] = set()  # their storages: to copy at the boundary from now on
+        self.settle_wait_s = 0.0  # what settle() cost the training thread
+        self.late_bytes = sum(dst.numel() * dst.element_size() for _, _, dst, _ in late)
+        if not late:
+            self._copied.set()  # everything was copied at the boundary
 
-    def wait(self) -> None:
-        """Block until the copies have landed (a no-op on CPU). Call it from the writer thread."""
-        if self._event is not None:
-            self._event.synchronize()
+    @property
+    def copying(self) -> bool:
+        """The late copy has not finished (or, on CUDA, not yet been queued)."""
+        return not self._copied.is_set()
 
+    def copy_late(self) -> None:
+        """Writer thread: copy the parameters and optimizer states into their buffers."""
+        if self._copied.is_set():
+            return
+        try:
+            if delay := _copy_delay():
+                time.sleep(delay)
+            if self._boundary is not None:
+                stream = torch.cuda.Stream()  # the writer thread has set this rank's device
+                stream.wait_event(self._boundary)  # after every kernel queued before the boundary
+                with torch.cuda.stream(stream):
+                    for _, src, dst, _ in self._late:
+                        dst.copy_(src, non_blocking=True)
+                    self._copied_event = torch.cuda.Event()
+                    self._copied_event.record(stream)
+            else:
+                for _, src, dst, _ in self._late:
+                    dst.copy_(src)
+        except BaseException as e:  # noqa: BLE001 - delivered through settle() and wait()
+            self._copy_error = e
+        finally:
+            self._copied.set()
+
+    def settle(self) -> list[str]:
+        """Training thread, before the first mutation: order it after the copies; return what changed too early.
+
+        Idempotent. On CPU it waits for the copy; on CUDA it waits only until the copies are
+        queued and makes the compute stream wait for them on the device.
+        """
+        if self._settled.is_set():
+            return self.changed_early
+        start = time.perf_counter()
+        self._copied.wait()
+        if self._copied_event is not None:
+            torch.cuda.current_stream().wait_event(self._copied_event)
+        changed = [(name, src) for name, src, _, version in self._late if src._version != version]
+        self.changed_early = [name for name, _ in changed]
+        self.changed_storages = {src.untyped_storage().data_ptr() for _, src in changed}
+        self.settle_wait_s = time.perf_counter() - start
+        self._settled.set()
+        return self.changed_early
+
+    def wait_copied(self) -> None:
+        """Writer thread: block until every copy has landed in the buffers (raises the copy's error)."""
+        self._copied.wait()
+        if self._copy_error is not None:
+            raise self._copy_error
+        if self._boundary is not None:
+            self._boundary.synchronize()  # the copies made at the boundary
+        if self._copied_event is not None:
+            self._copied_event.synchronize()
+
+    def valid(self) -> bool:
+        """Writer thread: block until the training thread has settled it; ``False`` if it is void."""
+        self._settled.wait()
+        self._late = []  # the copies have landed and been checked: the sources may be freed
+        return not self.changed_early
 
 class Stager:
+    """One set of staging buffers, reused by every save (bounded memory: one snapshot at a time)."""
+
     def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
+        self._buffers: list[Any] | None = None
         self._signature: list[tuple[Any, ...]] = []
         self.nbytes = 0  # staging memory currently held (host RAM, pinned on CUDA)
 
-    def stage(self, state: dict[str, Any]) -> Snapshot:
-        """Copy ``state`` into the reusable buffers; non-tensor leaves are deep-copied.
+    def stage(self, state: dict[str, Any], late_storages: set[int] | None = None) -> Snapshot:
+        """Copy ``state`` into the buffers: now, except tensors whose storage is in ``late_storages``.
 
-        The caller must not stage again before the writer has finished with the previous
-        snapshot (AsyncCheckpoint keeps at most one save in flight).
+        Those are copied by :meth:`Snapshot.copy_late` (the writer thread); until then the caller
+        must not mutate them and must call :meth:`Snapshot.settle` before it does. The caller
+        must not stage again before the writer has finished with the previous snapshot
+        (AsyncCheckpoint keeps at most one save in flight).
         """
         signature = _signature(state)
         cuda = any(entry[3] == "cuda" for entry in signature)
         if self._buffers is None or signature != self._signature:
-            self._allocate(state, signature, cuda)
-        try:
-            staged = _copy_state_dict(state, self._buffers, non_blocking=cuda, type_check=False)
-        except (CompanionMismatch, AttributeError, TypeError):  # same tensors, other structure: rebuild to match
-            self._allocate(state, signature, cuda)
-            staged = _copy_state_dict(state, self._buffers, non_blocking=cuda, type_check=False)
-        event = None
+            self._allocate(list(_leaves(state)), signature, cuda)
+        assert self._buffers is not None
+        plan = _Plan(self._buffers, late_storages or set())
+        staged = plan.pair(state, "")
+        for src, dst in plan.now:
+            dst.copy_(src, non_blocking=cuda)  # CUDA: on the compute stream, before any later mutation
+        boundary = None
         if cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
-        return Snapshot(copy.copy(staged), event)
+            boundary = torch.cuda.Event()
+            boundary.record(torch.cuda.current_stream())
+        return Snapshot(staged, plan.late, boundary)
 
-    def _allocate(self, state: dict[str, Any], signature: list[tuple[Any, ...]], pin_memory: bool) -> None:
+    def _allocate(self, leaves: list[Any], signature: list[tuple[Any, ...]], pin_memory: bool) -> None:
+        """One buffer per tensor leaf, in order (only when the tensors' shapes, dtypes or devices change)."""
         self._buffers = None  # free the old buffers before allocating new ones
         # On CUDA: shared + pinned gives exact-size page-locked buffers (cudaHostRegister); pinned
         # alone would go through the caching host allocator, which rounds sizes up and keeps freed
         # blocks, so the reported size would be wrong and release() would free nothing.
-        self._buffers = _create_cpu_state_dict(state, pin_memory=pin_memory, share_memory=pin_memory)
+        created = _create_cpu_state_dict(dict(enumerate(leaves)), pin_memory=pin_memory, share_memory=pin_memory)
+        self._buffers = [created[i] for i in range(len(leaves))]
         self._signature = signature
         self.nbytes = state_nbytes(self._buffers)
 

@@ -16,8 +16,11 @@ every later write slower and would evict the training data's pages.
 
 Order of a save of step ``s`` (names from :mod:`lightning_ett.checkpoint.layout`):
 
-1. every rank: ``dcp.save`` into ``step-<s>.tmp`` (DCP fsyncs each file; rank 0 writes
-   ``.metadata`` after all ranks have written);
+1. every rank: copy the parameters and optimizer states into the staging buffers (the late
+   half of the snapshot, see staging.py); ``dcp.save`` into ``step-<s>.tmp`` (DCP fsyncs
+   each file; rank 0 writes ``.metadata`` after all ranks have written); wait for the training
+   thread's verdict on the snapshot and agree that no rank's is void (a void one is deleted,
+   never committed);
 2. rank 0: ``lightning.pt`` (write, fsync), ``manifest.json`` with sizes and CRC-32s (fsync),
    rename ``step-<s>.tmp`` → ``step-<s>``, fsync the parent, replace ``latest``, delete the
    oldest checkpoints beyond ``keep_last_n`` — only ever older than the one just committed;
@@ -43,7 +46,7 @@ from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.staging import Snapshot
 from lightning_ett.durable.commit import retire, temp_path
 from lightning_ett.durable.errors import ExplainedError, explain
-from lightning_ett.durable.files import atomic_write_text
+from lightning_ett.durable.files import atomic_write_text, remove_path
 from lightning_ett.patching import Patches
 
 
@@ -57,7 +60,9 @@ class WriteResult:
     path: Path
     seconds: float  # background time, from the start of the write to the commit
     bytes: int
-    blocked_s: float  # what the save cost the training thread (snapshot), for the report
+    blocked_s: float  # what the save cost the training thread: the snapshot at the boundary + settle's wait
+    settle_s: float = 0.0  # settle's wait alone (it lies inside the next step, which the cadence times too)
+    overlapped_bytes: int = 0  # of the staged bytes, those copied while the next step ran
 
 
 _writer_thread = threading.local()
@@ -200,15 +205,21 @@ class CheckpointWriter:
     # ------------------------------------------------------------------ worker thread
     def _write(self, snapshot: Snapshot, step: int, blocked_s: float) -> WriteResult | None:
         start = time.perf_counter()
-        snapshot.wait()  # CUDA: the non-blocking copies have landed
         final = self.root / fmt.checkpoint_name(step)
         tmp = temp_path(final)
-        error: str | None = None
-        nbytes = 0
+        snapshot.copy_late()
         try:
+            snapshot.wait_copied()
             dcp_io.write(snapshot.state["dcp"], tmp, self.group, collective=self.collective, staged=True)
         except BaseException as e:
             raise CheckpointWriteError(f"writing checkpoint {str(final)!r} failed: {explain(e, tmp)}") from e
+        if not self._agreed_valid(snapshot):
+            if self.rank == 0:
+                remove_path(tmp)  # changed before it was copied (on some rank): AsyncCheckpoint saves the next step
+            return None
+        blocked_s += snapshot.settle_wait_s
+        error: str | None = None
+        nbytes = 0
         if delay := _write_delay():
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
@@ -225,7 +236,17 @@ class CheckpointWriter:
                 raise CheckpointWriteError(f"rank 0 could not commit checkpoint {str(final)!r}: {status[0]}")
         if self.rank != 0:
             return None
-        return WriteResult(step, final, time.perf_counter() - start, nbytes, blocked_s)
+        return WriteResult(step, final, time.perf_counter() - start, nbytes, blocked_s, snapshot.settle_wait_s,
+                           snapshot.late_bytes)
+
+    def _agreed_valid(self, snapshot: Snapshot) -> bool:
+        """Wait for the training thread's verdict on the snapshot; with a collective writer, every rank's."""
+        valid = snapshot.valid()
+        if self.collective and self.group is not None:
+            flag = torch.tensor([0 if valid else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            valid = not flag.item()
+        return valid
 
     def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int) -> int:
         """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes."""

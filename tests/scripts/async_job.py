@@ -74,7 +74,12 @@ class BreakPublishDir(Callback):
             deadline = time.time() + 60
             while self.empty_only and not (self.path / "latest").exists() and time.time() < deadline:
                 time.sleep(0.05)  # something was published before the directory is emptied
-            shutil.rmtree(self.path)
+            for _ in range(100):  # the publisher may be writing its next version into it meanwhile
+                try:
+                    shutil.rmtree(self.path)
+                    break
+                except OSError:
+                    time.sleep(0.05)
             if self.empty_only:
                 self.path.mkdir()
             else:
