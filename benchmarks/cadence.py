@@ -1,6 +1,6 @@
-"""ETT% of the reference job at three checkpoint cadences, under the same injected failure rate.
+"""ETT% of the reference job at five checkpoint cadences, under the same injected failure rate.
 
-    .venv/bin/python benchmarks/cadence.py [--steps 3000 --mtbf-s 30 --frequent 5 --rare 2000 --seeds 3]
+    .venv/bin/python benchmarks/cadence.py [--steps 3000 --mtbf-s 30 --frequent 5 --round 100 --rare 2000 --seeds 5]
 
 The reference job (benchmarks/e2e_job.py, pack arm): the example TorchRec DLRM (26 tables x
 20,000 x 16) on 2 CPU ranks under ``lightning run`` with ETTStrategy, ETTMonitor,
@@ -11,8 +11,12 @@ exponential time of training in that attempt; the draws depend only on the seed 
 attempt number, so every arm meets the same failures. Arms:
 
 * **too frequent**: ``AsyncCheckpoint(every_n_train_steps=FREQUENT)``;
-* **auto**: ``every_n_train_steps="auto"`` with ``mtbf_hours`` = the injected MTBF (the user-given
-  failure rate; ``--mtbf-from-ledger`` lets it estimate the rate from the job's ledger instead);
+* **Young/Daly once**: a fixed interval a careful user computes once, before the jobs:
+  ``sqrt(2 · C · MTBF)`` from the save cost ``C`` and step time that a calibration run of this
+  job measured (AsyncCheckpoint logs both) and the injected MTBF;
+* **round**: a common round choice, ``every_n_train_steps=ROUND``;
+* **auto**: ``every_n_train_steps="auto"``, learning the MTBF from the job's ledger as a real
+  job would (24 h assumed until the first failure; ``--mtbf-given`` hands it the injected MTBF);
 * **too rare**: ``every_n_train_steps=RARE``.
 
 Prints, per arm, the median over seeds of ETT%, wall, effective, lost and checkpoint_save
@@ -22,6 +26,7 @@ seconds and the number of attempts, each seed's ETT%, and the interval "auto" ch
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -37,53 +42,73 @@ def job(work: Path, every: str, steps: int, cache: Path, extra_env: dict[str, st
     return run_pack(work, ["--steps", str(steps), "--every", every, *job_args], cache, max_restarts, **extra_env)
 
 
+def calibrate(tmp: Path, cache: Path, mtbf_s: float) -> tuple[int, float, float]:
+    """Measure the save cost and step time once (60 steps, a save every 10); returns (Young/Daly steps, C, step s).
+
+    This run also compiles once: every arm then starts from this compile cache.
+    """
+    from lightning_ett.instrument.summary import summarize_run_dir
+    from lightning_ett.instrument.timeline import CADENCE_FACT
+
+    facts = summarize_run_dir(job(tmp / "calibrate", "10", 60, cache, {}, [], 0)).facts_named(CADENCE_FACT)
+    if not facts:
+        raise RuntimeError("the calibration run logged no save cost (AsyncCheckpoint's cadence fact)")
+    cost, step = float(facts[-1]["save_cost_s"]), float(facts[-1]["step_s"])
+    return max(1, round(math.sqrt(2 * cost * mtbf_s) / step)), cost, step
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--mtbf-s", type=float, default=30.0, help="injected mean time between failures (s of training)")
     p.add_argument("--frequent", type=int, default=5, help="the too-frequent fixed interval (steps)")
+    p.add_argument("--round", type=int, default=100, help="the common round fixed interval (steps)")
     p.add_argument("--rare", type=int, default=2000, help="the too-rare fixed interval (steps)")
-    p.add_argument("--seeds", type=int, default=3, help="failure schedules (one job per arm each); medians over them")
-    p.add_argument("--mtbf-from-ledger", action="store_true", help="auto estimates the MTBF from the job's ledger")
+    p.add_argument("--seeds", type=int, default=5, help="failure schedules (one job per arm each); medians over them")
+    p.add_argument("--mtbf-given", action="store_true", help="hand auto the injected MTBF instead of its ledger's estimate")
     p.add_argument("--max-restarts", type=int, default=30)
     args = p.parse_args()
     from lightning_ett.instrument.summary import summarize_run_dir
     from lightning_ett.instrument.timeline import CADENCE_FACT
 
-    arms = {"too frequent": str(args.frequent), "auto": "auto", "too rare": str(args.rare)}
-    results: dict[str, list] = {name: [] for name in arms}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cache = tmp / "compile_cache"
-        job(tmp / "warm", "100", 50, cache, {}, [], 0)  # compile once: every arm starts from this cache
+        young_daly, cost, step = calibrate(tmp, cache, args.mtbf_s)
+        print(f"calibration: save cost {cost:.3f} s, step {step * 1000:.1f} ms -> Young/Daly once: every {young_daly} steps",
+              flush=True)
+        arms = {"too frequent": str(args.frequent), "Young/Daly once": str(young_daly), "round": str(args.round),
+                "auto": "auto", "too rare": str(args.rare)}
+        results: dict[str, list] = {name: [] for name in arms}
         for seed in range(1, args.seeds + 1):
             faults = {"LIGHTNING_ETT_FAULT_MTBF_S": f"{args.mtbf_s:g}:{seed}"}
-            for name, every in arms.items():
-                extra = [] if every != "auto" or args.mtbf_from_ledger else ["--mtbf-hours", repr(args.mtbf_s / 3600)]
+            for name, every in (arms.items() if seed % 2 else reversed(arms.items())):  # no arm always first
+                extra = [] if every != "auto" or not args.mtbf_given else ["--mtbf-hours", repr(args.mtbf_s / 3600)]
                 run_dir = job(tmp / f"{name.replace(' ', '_')}-{seed}", every, args.steps, cache, faults, extra,
                               args.max_restarts)
                 results[name].append(summarize_run_dir(run_dir))
+                print(f"seed {seed} {name}: ETT {results[name][-1].ett_percent:.1f} %", flush=True)
 
     def med(values: list[float]) -> float:
         return statistics.median(values)
 
     print(f"reference job: {args.steps} steps, injected MTBF {args.mtbf_s:g}s, {args.seeds} failure schedule(s); medians")
-    print(f"{'':<24}" + "".join(f"{n:>16}" for n in arms))
+    print(f"{'':<24}" + "".join(f"{n:>17}" for n in arms))
     rows = {"ETT %": lambda s: s.ett_percent, "wall s": lambda s: s.wall_s, "effective s": lambda s: s.effective_s,
             "lost s": lambda s: s.lost_s, "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0),
             "attempts": lambda s: float(len(s.attempts))}
     for label, get in rows.items():
-        print(f"{label:<24}" + "".join(f"{med([get(s) for s in results[n]]):>16.2f}" for n in arms))
-    chosen = [s.facts_named(CADENCE_FACT)[-1] for s in results["auto"] if s.facts_named(CADENCE_FACT)]
-    if chosen:
-        c = chosen[-1]
-        print(f"auto chose every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost {c['save_cost_s']:.3f}s "
-              f"and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]; "
-              f"expected loss per failure {c['expected_loss_per_failure_s']:.1f}s")
+        print(f"{label:<24}" + "".join(f"{med([get(s) for s in results[n]]):>17.2f}" for n in arms))
+    for seed, s in enumerate(results["auto"], 1):
+        chosen = s.facts_named(CADENCE_FACT)
+        if chosen:
+            c = chosen[-1]
+            print(f"auto, seed {seed}, last choice: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost "
+                  f"{c['save_cost_s']:.3f}s and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]")
     for name in arms:  # the spread: one unlucky failure schedule costs a too-rare cadence most
         print(f"ETT % per schedule, {name}: " + ", ".join(f"{s.ett_percent:.1f}" for s in results[name]))
     ett = {n: med([s.ett_percent for s in results[n]]) for n in arms}
-    print(f"ETT%: too frequent {ett['too frequent']:.1f}  auto {ett['auto']:.1f}  too rare {ett['too rare']:.1f}")
+    print("ETT% medians: " + "  ".join(f"{n} {v:.1f}" for n, v in ett.items()))
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ class Saver:
     """start(trainer): the blocking part; ready(): before the next mutation; done(); finish(): durable.
 
     Retention is the same for every method: after a save is durable, the one before it is
-    deleted (ours: ``keep_last_n=1``, in its writer), so every method writes next to one
-    earlier checkpoint and the page cache holds no more of the others' files than of ours.
+    deleted (ours: ``keep_last_n=1``, in its writer; the others on the training thread when
+    the save is seen complete, as Lightning's ModelCheckpoint deletes, and that time is part
+    of their cost), so every method writes next to one earlier checkpoint.
     """
 
     def __init__(self, method: str, root: Path) -> None:
@@ -204,10 +205,12 @@ class Driver(Callback):
             self.during.append(step_s)
             if self.saver.done():
                 write_s = time.perf_counter() - self.write_started
-                self.saver.finish()
+                t = time.perf_counter()
+                self.saver.finish()  # baselines: delete the previous checkpoint now, on the training thread
+                retention_s = time.perf_counter() - t  # (as ModelCheckpoint does); ours deleted it in its writer
                 step = statistics.median(self.baseline)
                 waited = self.saver.waited_s()  # blocked inside a step: counted as blocked, not as slowdown
-                slowdown = sum(self.during) - waited - step * len(self.during)  # unclipped: noise cancels
+                slowdown = sum(self.during) - waited - step * len(self.during) + retention_s  # unclipped: noise cancels
                 blocked = self.blocked + waited
                 self.results.append({"blocked_s": blocked, "boundary_s": self.blocked, "waited_s": waited,
                                      "slowdown_s": slowdown, "cost_s": blocked + slowdown, "write_s": write_s,

@@ -1,7 +1,14 @@
-"""One throughput measurement on 2 gloo ranks: ETTStrategy under Lightning, or a hand-written DMP loop.
+"""One throughput measurement on 2 gloo ranks: ETTStrategy under Lightning, or a hand-written TorchRec loop.
 
-Both use the example's DLRM, data (RandomRecDataset, seed = rank), table-wise sharding,
-row-wise Adagrad fused into backward for the tables and Adagrad for the dense part.
+All arms use the example's DLRM, data (RandomRecDataset, seed = rank), table-wise sharding,
+row-wise Adagrad fused into backward for the tables and Adagrad for the dense part:
+
+* ``lightning``: ETTStrategy under ``Trainer.fit``;
+* ``dmp``: the plain loop over a DistributedModelParallel (``next(batch)``, forward, backward, step);
+* ``pipeline``: TorchRec's ``TrainPipelineSparseDist`` over the same DMP (``DLRMTrain`` computes the
+  loss), the loop TorchRec users run: it starts the next batch's input distribution while the
+  current batch trains.
+
 Rank 0 writes the median steady-state step time to OUT.
 """
 
@@ -54,7 +61,7 @@ def lightning_run(steps: int, warmup: int, out: Path) -> None:
         out.write_text(json.dumps({"step_s": median_step(clock.stamps, warmup)}))
 
 
-def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int) -> None:
+def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelined: bool) -> None:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -70,22 +77,34 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int) -> None
     torch.manual_seed(0)
     model = DLRMModule(learning_rate=LR).model
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR})
+    if pipelined:
+        from torchrec.models.dlrm import DLRMTrain
+
+        model = DLRMTrain(model)  # forward(batch) -> (loss, outputs), as TrainPipelineSparseDist expects
     constraints = {t: ParameterConstraints(sharding_types=["table_wise"]) for t in embedding_tables(model)}
     plan = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu", local_world_size=2),
                                     constraints=constraints).plan(model, default_sharders("cpu"))
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=default_sharders("cpu"))
     dense = torch.optim.Adagrad([p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")], lr=LR)
     # Through a DataLoader, as the Lightning arm and any real training loop read data.
-    data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 1, rank), batch_size=None))
+    data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 2, rank), batch_size=None))
     stamps = []
-    for _ in range(steps):
-        batch = next(data)
-        logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
-        dense.zero_grad()
-        loss.backward()
-        dense.step()
-        stamps.append(time.perf_counter())
+    if pipelined:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"), execute_all_batches=True)
+        for _ in range(steps):
+            pipeline.progress(data)  # zero_grad, forward, backward, step; the next batch's input_dist overlapped
+            stamps.append(time.perf_counter())
+    else:
+        for _ in range(steps):
+            batch = next(data)
+            logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+            dense.zero_grad()
+            loss.backward()
+            dense.step()
+            stamps.append(time.perf_counter())
     if rank == 0:
         out.write_text(json.dumps({"step_s": median_step(stamps, warmup)}))
     dist.barrier()
@@ -94,7 +113,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int) -> None
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["lightning", "dmp"], required=True)
+    p.add_argument("--mode", choices=["lightning", "dmp", "pipeline"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
@@ -105,7 +124,8 @@ def main() -> None:
         import torch.multiprocessing as mp
         from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port()), nprocs=2)
+        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode == "pipeline"),
+                 nprocs=2)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Training throughput: ETTStrategy under Lightning vs a hand-written TorchRec DMP loop.
+"""Training throughput: ETTStrategy under Lightning vs hand-written TorchRec loops (plain DMP and TrainPipelineSparseDist).
 
-    .venv/bin/python benchmarks/throughput_vs_dmp.py [--pairs 3] [--steps 200]
+    .venv/bin/python benchmarks/throughput_vs_dmp.py [--pairs 7] [--steps 200]
 
-Same model, data, sharding and optimizers (see throughput_job.py), 2 gloo ranks each,
-alternating A/B pairs; prints each pair's steps/s ratio and the median. Goal: >= 0.95.
+Same model, data, sharding and optimizers (see throughput_job.py), 2 gloo ranks each. Each
+round runs the three arms back to back, in an order that alternates from round to round (so
+no arm always runs first, on a cooler or warmer machine), and compares ETTStrategy's steps/s
+with each hand-written loop's in that round. Prints every round, then the median and the
+interquartile range of each ratio. Goal: ETTStrategy / plain DMP loop median >= 0.95.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ARMS = ("dmp", "pipeline", "lightning")
+NAMES = {"dmp": "plain DMP loop", "pipeline": "TrainPipelineSparseDist", "lightning": "ETTStrategy"}
 
 
 def step_time(mode: str, out: Path, steps: int) -> float:
@@ -30,21 +35,31 @@ def step_time(mode: str, out: Path, steps: int) -> float:
     return json.loads(out.read_text())["step_s"]
 
 
+def spread(values: list[float]) -> str:
+    """Median and interquartile range."""
+    if len(values) < 2:
+        return f"{values[0]:.3f}"
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return f"{statistics.median(values):.3f} (IQR {q1:.3f}-{q3:.3f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=7, help="rounds of all three arms")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    ratios = []
+    ratios: dict[str, list[float]] = {"dmp": [], "pipeline": []}
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
-            hand = step_time("dmp", Path(tmp) / f"dmp{pair}.json", args.steps)
-            ours = step_time("lightning", Path(tmp) / f"ett{pair}.json", args.steps)
-            ratios.append(hand / ours)  # steps/s ours / steps/s hand-written
-            print(f"pair {pair}: hand-written DMP {1 / hand:.1f} steps/s, ETTStrategy {1 / ours:.1f} steps/s "
-                  f"-> ratio {ratios[-1]:.3f}")
-    print(f"ETTStrategy / hand-written DMP throughput (median of {args.pairs} pairs): "
-          f"{statistics.median(ratios):.3f}  (goal >= 0.95)")
+            order = ARMS if pair % 2 == 0 else ARMS[::-1]
+            step = {arm: step_time(arm, Path(tmp) / f"{arm}{pair}.json", args.steps) for arm in order}
+            for hand, values in ratios.items():
+                values.append(step[hand] / step["lightning"])  # steps/s ours / steps/s hand-written
+            print(f"round {pair} ({' -> '.join(order)}): " + ", ".join(f"{NAMES[a]} {1 / step[a]:.1f} steps/s" for a in ARMS)
+                  + f" -> ETTStrategy/DMP {ratios['dmp'][-1]:.3f}, ETTStrategy/pipeline {ratios['pipeline'][-1]:.3f}",
+                  flush=True)
+    print(f"ETTStrategy / plain DMP loop throughput, median of {args.pairs} rounds: {spread(ratios['dmp'])}  (goal >= 0.95)")
+    print(f"ETTStrategy / TrainPipelineSparseDist throughput, median of {args.pairs} rounds: {spread(ratios['pipeline'])}")
 
 
 if __name__ == "__main__":

@@ -10,31 +10,63 @@ reads run on the calling thread inside ``catch_warnings``.
 
 from __future__ import annotations
 
+import io
+import os
 import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from lightning_ett.durable.manifest import ChecksummingWriter, drop_from_cache
 
 _SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
 
 
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, summing each data file as it is written and evicting it from the page cache after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, tuple[int, int]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            summing = ChecksummingWriter(stream)
+            yield cast(io.IOBase, summing)
+        if summing.checksum is not None:
+            self.checksums[Path(path).name] = summing.checksum
+        drop_from_cache(Path(path))  # written and fsynced (sync_files=True): clean pages, not needed again
+
+
 def write(state: dict[str, Any], directory: Path, group: Any | None = None, collective: bool = True,
-          staged: bool = False) -> None:
+          staged: bool = False) -> dict[str, tuple[int, int]]:
     """Write ``state`` into ``directory`` (every file fsynced). ``collective``: every rank of ``group`` writes its part.
 
     ``staged``: the tensors are CPU copies already (AsyncCheckpoint's buffers), so DCP's
     copy-ahead from the device is switched off (it would touch CUDA streams from a writer thread).
+    Returns the (size, CRC-32) of the files this rank wrote, summed as they were written (the
+    manifest's checksums, without reading the files back).
     """
     writer = FileSystemWriter(directory, sync_files=True, **({"per_thread_copy_ahead": 0} if staged else {}))
+    writer.fs = filesystem = _ChecksummingFileSystem()
     if collective and dist.is_available() and dist.is_initialized():
         dcp.save(state, storage_writer=writer, process_group=group)
-        return
-    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict, _stateful_to_state_dict
+    else:
+        from torch.distributed.checkpoint.state_dict_saver import _save_state_dict, _stateful_to_state_dict
 
-    _save_state_dict(state_dict=_stateful_to_state_dict(state), storage_writer=writer, no_dist=True)
+        _save_state_dict(state_dict=_stateful_to_state_dict(state), storage_writer=writer, no_dist=True)
+    return {name: summed for name, summed in filesystem.checksums.items() if (directory / name).is_file()}
 
 
 def read_whole(directory: Path, key: str) -> dict[str, Any]:

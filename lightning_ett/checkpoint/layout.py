@@ -130,7 +130,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
 
 
-def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int) -> dict[str, Any]:
+def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int,
+                      known: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """Rank 0, once every rank's DCP files are in ``tmp``: write ``lightning.pt``, number the commit, commit.
 
     The commit number orders checkpoints by when they were made, not by step: after a
@@ -139,7 +140,7 @@ def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int) -
     """
     torch.save(meta, tmp / META_FILE)
     seq = next_seq(committed(final.parent))
-    return commit_directory(tmp, final, FORMAT, {"global_step": step, "time": time.time(), "seq": seq})
+    return commit_directory(tmp, final, FORMAT, {"global_step": step, "time": time.time(), "seq": seq}, known=known)
 
 
 def load_unsharded(path: str | os.PathLike) -> dict[str, Any]:

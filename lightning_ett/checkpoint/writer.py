@@ -210,10 +210,11 @@ class CheckpointWriter:
         snapshot.copy_late()
         try:
             snapshot.wait_copied()
-            dcp_io.write(snapshot.state["dcp"], tmp, self.group, collective=self.collective, staged=True)
+            checksums = dcp_io.write(snapshot.state["dcp"], tmp, self.group, collective=self.collective, staged=True)
         except BaseException as e:
             raise CheckpointWriteError(f"writing checkpoint {str(final)!r} failed: {explain(e, tmp)}") from e
-        if not self._agreed_valid(snapshot):
+        valid, checksums = self._agree_after_write(snapshot, checksums)
+        if not valid:
             if self.rank == 0:
                 remove_path(tmp)  # changed before it was copied (on some rank): AsyncCheckpoint saves the next step
             return None
@@ -224,7 +225,7 @@ class CheckpointWriter:
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                nbytes = self._commit(tmp, final, snapshot.state["meta"], step)
+                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums)
             except Exception as e:
                 error = explain(e, tmp)
                 if not self.collective or self.group is None:
@@ -239,19 +240,22 @@ class CheckpointWriter:
         return WriteResult(step, final, time.perf_counter() - start, nbytes, blocked_s, snapshot.settle_wait_s,
                            snapshot.late_bytes)
 
-    def _agreed_valid(self, snapshot: Snapshot) -> bool:
-        """Wait for the training thread's verdict on the snapshot; with a collective writer, every rank's."""
+    def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]]
+                           ) -> tuple[bool, dict[str, tuple[int, int]]]:
+        """Wait for the training thread's verdict on the snapshot; with a collective writer, agree on every rank's
+        and hand rank 0 every rank's file checksums (one collective)."""
         valid = snapshot.valid()
-        if self.collective and self.group is not None:
-            flag = torch.tensor([0 if valid else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            valid = not flag.item()
-        return valid
+        if not (self.collective and self.group is not None):
+            return valid, checksums
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, (valid, checksums), group=self.group)
+        merged = {name: summed for _, sums in everyone for name, summed in sums.items()}
+        return all(ok for ok, _ in everyone), merged
 
-    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int) -> int:
+    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int, checksums: dict[str, tuple[int, int]]) -> int:
         """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes."""
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
-        manifest = fmt.commit_checkpoint(tmp, final, meta, step)
+        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums)
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         try:  # the checkpoint is durable now: a failed deletion of old ones is a warning, never a failed save
             self._apply_retention()

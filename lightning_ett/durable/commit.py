@@ -48,13 +48,16 @@ def _reached(step: str) -> None:
 
 
 def commit_directory(tmp: Path, final: Path, format_tag: str, fields: dict[str, Any],
-                     skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Make the fully written ``tmp`` the durable, complete directory ``final``; returns its manifest."""
+                     skip: frozenset[str] = frozenset(), known: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Make the fully written ``tmp`` the durable, complete directory ``final``; returns its manifest.
+
+    ``known``: files' (size, CRC-32) summed while they were written (see :func:`write_manifest`).
+    """
     for f in tmp.iterdir():
         if f.is_file():
             fsync_path(f)
     _reached("files_synced")
-    manifest = write_manifest(tmp, format_tag, fields, skip)
+    manifest = write_manifest(tmp, format_tag, fields, skip, known)
     fsync_path(tmp)
     _reached("manifest_written")
     aside = replaced_path(final)

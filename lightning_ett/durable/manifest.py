@@ -46,12 +46,72 @@ def crc32_of(path: Path, drop_cache: bool = False) -> int:
         return crc
 
 
+class ChecksummingWriter:
+    """A binary file that computes the CRC-32 and size of what is written to it, as it is written.
+
+    Why: checksumming after the write means reading every byte back (and mapping every page
+    of it), CPU that a background checkpoint takes from training. Here the bytes are summed
+    while they are still in the cache. Only sequential writes are summed: after a ``seek``
+    :attr:`checksum` is ``None`` and the file must be read back.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._crc = 0
+        self._size = 0
+        self._sequential = True
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data).cast("B")
+        if written is None or written != view.nbytes:
+            self._sequential = False  # a short write (a non-blocking file): read it back instead
+        else:
+            self._crc = zlib.crc32(view, self._crc)
+            self._size += written
+        return written
+
+    def seek(self, *args: Any) -> int:
+        self._sequential = False
+        return self._raw.seek(*args)
+
+    @property
+    def checksum(self) -> tuple[int, int] | None:
+        """(size, CRC-32) of the bytes written, or ``None`` if they were not written in one sequential pass."""
+        return (self._size, self._crc) if self._sequential else None
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close, ...: the file's own
+        return getattr(self._raw, name)
+
+
+def drop_from_cache(path: Path) -> None:
+    """Evict a written, fsynced file's pages from the page cache (see :func:`crc32_of`); only an optimization."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def write_manifest(directory: Path, format_tag: str, fields: dict[str, Any],
-                   skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Checksum every file in ``directory`` (already fsynced) and write the manifest, durably."""
+                   skip: frozenset[str] = frozenset(), known: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Checksum every file in ``directory`` (already fsynced) and write the manifest, durably.
+
+    ``known``: (size, CRC-32) of files summed as they were written (:class:`ChecksummingWriter`);
+    used when the file still has that size, else the file is read back.
+    """
     files = {}
     for f in sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_FILE and p.name not in skip):
-        files[f.name] = {"bytes": f.stat().st_size, "crc32": crc32_of(f, drop_cache=True)}
+        size = f.stat().st_size
+        summed = (known or {}).get(f.name)
+        crc = summed[1] if summed is not None and summed[0] == size else crc32_of(f, drop_cache=True)
+        files[f.name] = {"bytes": size, "crc32": crc}
     manifest = {"format": format_tag, **fields, "files": files}
     atomic_write_json(directory / MANIFEST_FILE, manifest)
     return manifest
