@@ -15,6 +15,7 @@ Rank 0 writes the median steady-state step time to OUT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,16 +36,43 @@ def median_step(stamps: list[float], warmup: int) -> float:
     return statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :]))
 
 
-def lightning_run(steps: int, warmup: int, out: Path) -> None:
+class Profiler:
+    """cProfile of rank 0's steady-state steps (``--profile``), written as a pstats file next to OUT."""
+
+    def __init__(self, out: Path | None) -> None:
+        import cProfile
+
+        self.out = out
+        self.profile = cProfile.Profile() if out is not None else None
+
+    def start(self) -> None:
+        if self.profile is not None:
+            self.profile.enable()
+
+    def stop(self) -> None:
+        if self.profile is not None and self.out is not None:
+            self.profile.disable()
+            self.profile.dump_stats(str(self.out))
+
+
+def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None) -> None:
     from lightning.pytorch import Callback, Trainer
 
     from lightning_ett import ETTStrategy
 
+    profiler = Profiler(profile)
+
     class StepClock(Callback):
         stamps: ClassVar[list[float]] = []
 
-        def on_train_batch_end(self, *args: object) -> None:
+        def on_train_batch_end(self, trainer, *args: object) -> None:  # type: ignore[no-untyped-def]
             self.stamps.append(time.perf_counter())
+            if trainer.global_rank == 0 and len(self.stamps) == warmup:
+                profiler.start()
+
+        def on_train_end(self, trainer, *args: object) -> None:  # type: ignore[no-untyped-def]
+            if trainer.global_rank == 0:
+                profiler.stop()
 
     class Unlogged(DLRMModule):
         """The example's step minus `self.log`: the hand-written loop logs nothing either."""
@@ -61,7 +89,7 @@ def lightning_run(steps: int, warmup: int, out: Path) -> None:
         out.write_text(json.dumps({"step_s": median_step(clock.stamps, warmup)}))
 
 
-def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelined: bool) -> None:
+def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelined: bool, profile: Path | None) -> None:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -88,14 +116,24 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelin
     dense = torch.optim.Adagrad([p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")], lr=LR)
     # Through a DataLoader, as the Lightning arm and any real training loop read data.
     data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 2, rank), batch_size=None))
-    stamps = []
+    stamps: list[float] = []
+    profiler = Profiler(profile if rank == 0 else None)
+
+    def stamp() -> None:
+        stamps.append(time.perf_counter())
+        if len(stamps) == warmup:
+            profiler.start()
+
     if pipelined:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"), execute_all_batches=True)
         for _ in range(steps):
             pipeline.progress(data)  # zero_grad, forward, backward, step; the next batch's input_dist overlapped
-            stamps.append(time.perf_counter())
+            stamp()
+        with contextlib.suppress(StopIteration):  # drain: no rank leaves with the prefetched batch's all-to-all in flight
+            while True:
+                pipeline.progress(data)
     else:
         for _ in range(steps):
             batch = next(data)
@@ -104,7 +142,8 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelin
             dense.zero_grad()
             loss.backward()
             dense.step()
-            stamps.append(time.perf_counter())
+            stamp()
+    profiler.stop()
     if rank == 0:
         out.write_text(json.dumps({"step_s": median_step(stamps, warmup)}))
     dist.barrier()
@@ -117,15 +156,17 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--profile", default=None, help="rank 0 writes a cProfile of the steps after the warm-up here")
     args = p.parse_args()
     if args.mode == "lightning":
-        lightning_run(args.steps, args.warmup, Path(args.out))
+        lightning_run(args.steps, args.warmup, Path(args.out), Path(args.profile) if args.profile else None)
     else:
         import torch.multiprocessing as mp
         from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode == "pipeline"),
-                 nprocs=2)
+        profile = Path(args.profile) if args.profile else None
+        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode == "pipeline",
+                                   profile), nprocs=2)
 
 
 if __name__ == "__main__":

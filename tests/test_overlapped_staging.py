@@ -152,3 +152,16 @@ def test_the_stager_copies_late_only_what_it_is_told_and_names_what_changed_too_
     again.copy_late()
     assert again.settle() == [] and again.valid() and again.state["step"] == 4
     assert again.state["model"]["0.bias"].data_ptr() == staged["0.bias"].data_ptr()  # the same buffers, reused
+
+
+def test_buffers_are_kept_when_only_the_non_tensor_state_changes_shape():
+    # AsyncCheckpoint's own state holds a history of save costs that grows with every save; the buffers
+    # (and their pages, which cost ~0.2-0.8 s per GiB to fault in) must not be rebuilt for that.
+    model = torch.nn.Linear(64, 64)
+    stager = Stager()
+    first = stager.stage({"model": model.state_dict(), "callbacks": {"costs": [0.5]}})
+    second = stager.stage({"model": model.state_dict(), "callbacks": {"costs": [0.5, 0.7], "new": "key"}})
+    assert second.state["model"]["weight"].data_ptr() == first.state["model"]["weight"].data_ptr()
+    assert second.state["callbacks"] == {"costs": [0.5, 0.7], "new": "key"}
+    third = stager.stage({"model": model.state_dict(), "extra": torch.zeros(3)})  # another tensor: rebuilt to fit
+    assert torch.equal(third.state["extra"], torch.zeros(3)) and stager.nbytes == (64 * 64 + 64 + 3) * 4
