@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--rare", type=int, default=2000, help="the too-rare fixed interval (steps)")
     p.add_argument("--seeds", type=int, default=5, help="failure schedules (one job per arm each); medians over them")
     p.add_argument("--mtbf-given", action="store_true", help="hand auto the injected MTBF instead of its ledger's estimate")
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (names as printed, e.g. auto)")
     p.add_argument("--max-restarts", type=int, default=30)
     args = p.parse_args()
     from lightning_ett.instrument.summary import summarize_run_dir
@@ -79,6 +80,11 @@ def main() -> None:
               flush=True)
         arms = {"too frequent": str(args.frequent), "Young/Daly once": str(young_daly), "round": str(args.round),
                 "auto": "auto", "too rare": str(args.rare)}
+        if args.arms:
+            unknown = set(args.arms) - set(arms)
+            if unknown:
+                p.error(f"--arms: unknown {sorted(unknown)}; choose from {list(arms)}")
+            arms = {name: every for name, every in arms.items() if name in args.arms}
         results: dict[str, list] = {name: [] for name in arms}
         for seed in range(1, args.seeds + 1):
             faults = {"LIGHTNING_ETT_FAULT_MTBF_S": f"{args.mtbf_s:g}:{seed}"}
@@ -99,7 +105,7 @@ def main() -> None:
             "attempts": lambda s: float(len(s.attempts))}
     for label, get in rows.items():
         print(f"{label:<24}" + "".join(f"{med([get(s) for s in results[n]]):>17.2f}" for n in arms))
-    for seed, s in enumerate(results["auto"], 1):
+    for seed, s in enumerate(results.get("auto", []), 1):
         chosen = s.facts_named(CADENCE_FACT)
         if chosen:
             c = chosen[-1]

@@ -13,7 +13,13 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ett import AsyncCheckpoint
 from lightning_ett.checkpoint import layout as fmt
-from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceTracker, young_daly_interval_s
+from lightning_ett.checkpoint.cadence import (
+    FIRST_SAVE_STEPS,
+    PRIOR_MTBF_HOURS,
+    CadenceTracker,
+    estimate_mtbf_s,
+    young_daly_interval_s,
+)
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
 from lightning_ett.instrument.ledger import (
     LedgerWriter,
@@ -86,6 +92,15 @@ def test_the_true_cost_adds_the_slowdown_of_the_steps_that_ran_during_the_write(
     restored.load_state_dict(t.state_dict())  # a restart keeps what was measured
     assert (restored.save_cost_s, restored.write_s) == (t.save_cost_s, t.write_s)
     assert restored.step_s == t.step_s
+
+
+def test_before_the_first_failure_the_mtbf_is_a_third_of_the_jobs_age():
+    # A young job without failures saves often, an old one rarely; the first failure switches to the observed rate.
+    young, old = estimate_mtbf_s(0, 60.0), estimate_mtbf_s(0, 6 * 3600.0)
+    assert young[0] == pytest.approx(20.0) and old[0] == pytest.approx(7200.0) and "age/3" in young[1]
+    assert young_daly_interval_s(0.5, young[0]) < young_daly_interval_s(0.5, old[0])
+    assert estimate_mtbf_s(3, 3 * 3600.0)[0] == pytest.approx(3600.0)
+    assert estimate_mtbf_s(0, 0.0)[0] == pytest.approx(3600 * PRIOR_MTBF_HOURS)  # age unknown: the prior
 
 
 def test_mtbf_comes_from_the_jobs_ledger_of_past_attempts(tmp_path, monkeypatch):

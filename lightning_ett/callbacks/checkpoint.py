@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.checkpoint import layout as fmt
-from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, PRIOR_MTBF_HOURS, CadenceDecision, CadenceTracker
+from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, CadenceTracker, estimate_mtbf_s
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
@@ -96,8 +96,9 @@ class AsyncCheckpoint(Checkpoint):
             kernel, which no version counter sees.
         mtbf_hours: ``"auto"`` only: the job's mean time between failures. ``None``: the
             job's wall time divided by the failures its ledger recorded (previous attempts
-            that did not finish; under ``lightning run`` or with ETTMonitor), or 24 h before
-            the first failure.
+            that did not finish; under ``lightning run`` or with ETTMonitor); before the first
+            failure, a third of the job's age (no failure in ``W`` seconds rules out rates
+            above ``3/W`` at 95 %), so a young job saves often and an old one rarely.
         max_interval_minutes: ``"auto"`` only: save at least this often, however rare failures
             are. (The shortest interval is automatic: 1.25 write durations, so saves never pile up.)
 
@@ -194,6 +195,7 @@ class AsyncCheckpoint(Checkpoint):
         self._batch_start: float | None = None
         self._last_step_end: float | None = None
         self._past_failures = 0
+        self._fit_start = time.time()
 
     @property
     def state_key(self) -> str:
@@ -223,6 +225,7 @@ class AsyncCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         self._best_model_path = ""
         self._last_step_end = self._batch_start = None
+        self._fit_start = time.time()
         if self.mtbf_hours is None and trainer.is_global_zero:
             self._past_failures = _past_failures()
         if self.resume:
@@ -504,11 +507,8 @@ class AsyncCheckpoint(Checkpoint):
     def _mtbf(self) -> tuple[float, str]:
         if self.mtbf_hours is not None:
             return 3600 * self.mtbf_hours, "given"
-        job_start = float(os.environ.get(ENV_JOB_START, "0") or 0)
-        wall = time.time() - job_start if job_start > 0 else 0.0
-        if self._past_failures and wall > 0:
-            return wall / self._past_failures, f"ledger: {self._past_failures} failure(s) in {wall / 3600:.2f} h"
-        return max(3600 * PRIOR_MTBF_HOURS, wall), "no failure recorded yet: assumed"
+        job_start = float(os.environ.get(ENV_JOB_START, "0") or 0) or self._fit_start  # without a launcher: this fit
+        return estimate_mtbf_s(self._past_failures, time.time() - job_start)
 
     def _decide(self) -> CadenceDecision | None:
         """Rank 0's view of the cadence: the Young/Daly choice (``"auto"``), or the fixed interval described."""

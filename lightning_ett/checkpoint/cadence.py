@@ -22,8 +22,12 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-#: Until the job has failed once, its MTBF is unknown; this is assumed (pass ``mtbf_hours`` to set it).
+#: Before a job's age is known (no launcher, nothing measured yet), its MTBF is assumed to be this
+#: (pass ``mtbf_hours`` to set it).
 PRIOR_MTBF_HOURS = 24.0
+#: With no failure in a job's first ``W`` seconds, failure rates above ``3/W`` are ruled out at 95 %
+#: (the "rule of three"); until the first failure the MTBF is taken as ``W/3``.
+RULE_OF_THREE = 3.0
 #: In ``"auto"`` mode the first save comes after this many steps: it measures what a save costs.
 FIRST_SAVE_STEPS = 20
 _STEP_WINDOW = 64  # recent step times the medians use
@@ -58,6 +62,23 @@ class CadenceDecision:
     def to_fields(self) -> dict[str, Any]:
         return {**asdict(self), "expected_loss_per_failure_s": self.expected_loss_per_failure_s,
                 "predicted_overhead": self.predicted_overhead}
+
+
+def estimate_mtbf_s(failures: int, job_age_s: float) -> tuple[float, str]:
+    """The job's MTBF as its ledger tells it: ``age / failures``; before the first failure, ``age / 3``.
+
+    Why not a fixed prior until the first failure: a prior far above the true MTBF (a day, for
+    a job that fails every few minutes) makes "auto" checkpoint as rarely as its upper bound
+    allows, and the first failure throws all of that away (``benchmarks/cadence.py`` measured
+    it). ``age / 3`` is the pessimistic end of what the failure-free age allows: a young job
+    saves often (its cost is bounded by the shortest interval, 1.25 write durations), an old
+    one ever more rarely, and the first failure switches to the observed rate.
+    """
+    if job_age_s <= 0:
+        return 3600 * PRIOR_MTBF_HOURS, "job age unknown: assumed"
+    if failures > 0:
+        return job_age_s / failures, f"ledger: {failures} failure(s) in {job_age_s / 3600:.2f} h"
+    return job_age_s / RULE_OF_THREE, f"no failure in {job_age_s / 3600:.2f} h: age/3"
 
 
 def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:

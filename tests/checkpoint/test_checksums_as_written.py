@@ -23,7 +23,8 @@ def test_dcp_files_are_summed_as_written_and_the_sums_are_the_files_crcs(tmp_pat
     fmt.commit_checkpoint(tmp_path / "ckpt.tmp", tmp_path / "step-000000007", {"global_step": 7}, 7, known=checksums)
     assert verify(tmp_path / "step-000000007", fmt.FORMAT, checksums=True) is None
     manifest = read_manifest(tmp_path / "step-000000007", fmt.FORMAT)
-    assert manifest is not None and {n: manifest["files"][n]["crc32"] for n in checksums} == {n: c for n, (_, c) in checksums.items()}
+    assert manifest is not None
+    assert {n: manifest["files"][n]["crc32"] for n in checksums} == {n: c for n, (_, c) in checksums.items()}
 
 
 def test_a_wrong_known_size_is_not_trusted(tmp_path):
