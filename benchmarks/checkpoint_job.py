@@ -84,7 +84,8 @@ class Saver:
         self.waited = 0.0  # seconds ready() blocked the training thread for the save in flight
         self.async_checkpoint: Any = None
         self.snapshot: Any = None
-        self.kept: Path | None = None
+        self.kept: Path | None = None  # the newest save of a baseline, and the one before it (deleted once durable)
+        self.previous: Path | None = None
         if method in ("dcp_async_stager", "dcp_async_process"):
             self.stager = _stager(process=method == "dcp_async_process")
         if method == "dcp_async_process":

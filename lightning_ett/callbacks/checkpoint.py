@@ -429,7 +429,7 @@ class AsyncCheckpoint(Checkpoint):
             if tensors is not None:  # (replicated state: rank 0 writes it all)
                 late = self._late_storages(trainer) if self.overlap_staging and not final else set()
                 self._snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint}, late)
-                self._writer.submit(self._snapshot, step, blocked_s=time.perf_counter() - start)
+                self._writer.submit(self._snapshot, step, boundary_s=time.perf_counter() - start)
             self._verify_after = step
             self.cadence.save_started()
         for listener in list(self._listeners):
@@ -485,7 +485,7 @@ class AsyncCheckpoint(Checkpoint):
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
                    "checkpoint/overlapped_bytes": float(result.overlapped_bytes)}
-        cost = self.cadence.observe_save(blocked - result.settle_s, result.seconds)  # settle's wait is in a timed step
+        cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
         metrics["checkpoint/save_cost_s"] = cost
         decision = self._decide()
         if decision is not None:

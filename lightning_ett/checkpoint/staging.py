@@ -34,8 +34,9 @@ in its thread, so buffers that forward updates and the loop state the next step 
 with the copy; it cannot tell a caller that something changed too early; and on CUDA its copy
 stream does not wait for the compute stream's queued work and its completion is a host-side
 future, so the loop must block the host before queueing a mutation. The buffers are built with
-DCP's own helper (``_create_cpu_state_dict``, which knows ShardedTensor and DTensor) and are
-rebuilt only when the state's structure changes (e.g. an optimizer that creates its state lazily).
+DCP's own helper (``_create_cpu_state_dict``, which knows ShardedTensor and DTensor), one per
+tensor leaf, and are rebuilt only when those tensors change (an optimizer that creates its
+state lazily), never for non-tensor state such as a list in a callback's state that grows.
 """
 
 from __future__ import annotations

@@ -60,9 +60,14 @@ class WriteResult:
     path: Path
     seconds: float  # background time, from the start of the write to the commit
     bytes: int
-    blocked_s: float  # what the save cost the training thread: the snapshot at the boundary + settle's wait
-    settle_s: float = 0.0  # settle's wait alone (it lies inside the next step, which the cadence times too)
+    boundary_s: float  # the training thread's snapshot at the due step's boundary
+    settle_s: float = 0.0  # its wait for the late copy, inside the next step (which the cadence times too)
     overlapped_bytes: int = 0  # of the staged bytes, those copied while the next step ran
+
+    @property
+    def blocked_s(self) -> float:
+        """What the save cost the training thread, for the report."""
+        return self.boundary_s + self.settle_s
 
 
 _writer_thread = threading.local()
@@ -153,7 +158,7 @@ class CheckpointWriter:
     def busy(self) -> bool:
         return self.status()[0]
 
-    def submit(self, snapshot: Snapshot, step: int, blocked_s: float = float("nan")) -> None:
+    def submit(self, snapshot: Snapshot, step: int, boundary_s: float = float("nan")) -> None:
         """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight)."""
         assert not self.busy, "at most one save in flight"
         future: Future[WriteResult | None] = Future()
@@ -163,7 +168,7 @@ class CheckpointWriter:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, not this rank's GPU
             try:
-                future.set_result(self._write(snapshot, step, blocked_s))
+                future.set_result(self._write(snapshot, step, boundary_s))
             except BaseException as e:  # noqa: BLE001 - delivered to the training thread through the Future
                 future.set_exception(e)
 
@@ -203,7 +208,7 @@ class CheckpointWriter:
             _ZIP_CRC_SKIP.release()
 
     # ------------------------------------------------------------------ worker thread
-    def _write(self, snapshot: Snapshot, step: int, blocked_s: float) -> WriteResult | None:
+    def _write(self, snapshot: Snapshot, step: int, boundary_s: float) -> WriteResult | None:
         start = time.perf_counter()
         final = self.root / fmt.checkpoint_name(step)
         tmp = temp_path(final)
@@ -218,7 +223,6 @@ class CheckpointWriter:
             if self.rank == 0:
                 remove_path(tmp)  # changed before it was copied (on some rank): AsyncCheckpoint saves the next step
             return None
-        blocked_s += snapshot.settle_wait_s
         error: str | None = None
         nbytes = 0
         if delay := _write_delay():
@@ -237,7 +241,7 @@ class CheckpointWriter:
                 raise CheckpointWriteError(f"rank 0 could not commit checkpoint {str(final)!r}: {status[0]}")
         if self.rank != 0:
             return None
-        return WriteResult(step, final, time.perf_counter() - start, nbytes, blocked_s, snapshot.settle_wait_s,
+        return WriteResult(step, final, time.perf_counter() - start, nbytes, boundary_s, snapshot.settle_wait_s,
                            snapshot.late_bytes)
 
     def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]]
@@ -257,29 +261,26 @@ class CheckpointWriter:
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
         manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums)
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
-        try:  # the checkpoint is durable now: a failed deletion of old ones is a warning, never a failed save
-            self._apply_retention()
-        except OSError as e:
-            warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {explain(e)}", stacklevel=1)
+        self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
         return sum(f["bytes"] for f in manifest["files"].values())
 
     def apply_retention_in_background(self) -> None:
         """Apply retention now, in a thread of its own (after ModelPublisher released a pinned checkpoint)."""
 
-        def run() -> None:
-            try:
-                self._apply_retention()
-            except OSError as e:  # the next commit tries again; a warning, never a training error
-                warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {explain(e)}",
-                              stacklevel=1)
-
-        threading.Thread(target=run, name="ett-checkpoint-retention", daemon=True).start()
+        threading.Thread(target=self._apply_retention, name="ett-checkpoint-retention", daemon=True).start()
 
     def _apply_retention(self) -> None:
         """Keep the ``keep_last_n`` most recently committed (listed under the lock: the commit's pass and a
-        release's pass never work from a stale listing, nor delete at once)."""
+        release's pass never work from a stale listing, nor delete at once).
+
+        A failure is a warning, never a failed save or training error: the next pass tries again.
+        """
         if self.keep_last_n is None:
             return
-        with self._retention_lock:
-            for entry in fmt.to_delete(fmt.committed(self.root), self.keep_last_n):
-                retire(entry.path)
+        try:
+            with self._retention_lock:
+                for entry in fmt.to_delete(fmt.committed(self.root), self.keep_last_n):
+                    retire(entry.path)
+        except OSError as e:
+            warnings.warn(f"AsyncCheckpoint: could not delete old checkpoints in {str(self.root)!r}: {explain(e)}",
+                          stacklevel=1)

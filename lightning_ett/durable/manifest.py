@@ -38,12 +38,18 @@ def crc32_of(path: Path, drop_cache: bool = False) -> int:
             except (OSError, ValueError):  # e.g. a FUSE filesystem without mmap
                 while block := f.read(64 << 20):
                     crc = zlib.crc32(block, crc)
-        if drop_cache and hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass  # only an optimization
+        if drop_cache:
+            _drop_pages(f.fileno())
         return crc
+
+
+def _drop_pages(fd: int) -> None:
+    """Evict an open, fsynced file's pages from the page cache; only an optimization."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 class ChecksummingWriter:
@@ -86,17 +92,14 @@ class ChecksummingWriter:
 
 def drop_from_cache(path: Path) -> None:
     """Evict a written, fsynced file's pages from the page cache (see :func:`crc32_of`); only an optimization."""
-    if hasattr(os, "posix_fadvise"):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        _drop_pages(fd)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(directory: Path, format_tag: str, fields: dict[str, Any],
