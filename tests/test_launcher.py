@@ -185,3 +185,18 @@ def test_the_failure_rate_switch_really_kills_a_rank(tmp_path):
     assert "lightning-ett fault injection: SIGKILL rank 0 after" in proc.stderr
     trained = summarize_run_dir(tmp_path / "run").phases["train"]
     assert deadline <= trained + 0.5 and trained < 20 * 0.01 + deadline + 5  # it died at the drawn time, not at the end
+
+
+def test_the_forkserver_preloads_inductor_only_for_a_job_that_compiles(tmp_path):
+    from lightning_ett.launch.worker import COMPILE_PRELOAD, PRELOAD, modules_to_preload
+
+    plain = tmp_path / "train.py"
+    plain.write_text("from lightning.pytorch import Trainer\n")
+    assert modules_to_preload(str(plain)) == PRELOAD  # inductor's import would only delay the first workers
+    compiled = tmp_path / "train_compiled.py"
+    compiled.write_text("model = torch.compile(model)\n")
+    assert set(COMPILE_PRELOAD) <= set(modules_to_preload(str(compiled)))
+    config = tmp_path / "config.yaml"
+    config.write_text("trainer:\n  callbacks:\n    - class_path: lightning_ett.CompileCache\n")
+    assert set(COMPILE_PRELOAD) <= set(modules_to_preload(str(plain), ("--config", str(config))))
+    assert modules_to_preload(str(tmp_path / "missing.py")) == PRELOAD

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from pathlib import Path
@@ -14,7 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.callbacks.loggers import log_to_loggers
+from lightning_ett.callbacks.loggers import log_to_loggers, share_wandb_run
+from lightning_ett.callbacks.startup import StartupProbe
 from lightning_ett.durable.errors import explain
 from lightning_ett.instrument.compile_events import compile_tracker
 from lightning_ett.instrument.environment import (
@@ -27,7 +27,7 @@ from lightning_ett.instrument.environment import (
 )
 from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
-from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline
+from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline, record_phase
 from lightning_ett.launch.faults import faults_from_env, maybe_fail_randomly, maybe_kill, random_failures_from_env
 from lightning_ett.patching import Patches
 
@@ -35,19 +35,27 @@ from lightning_ett.patching import Patches
 class ETTMonitor(Callback):
     r"""Record the phases of a Lightning job and report its Effective Training Time.
 
-    Phases come from Lightning's hooks, with no device synchronization (Lightning's
-    ``ThroughputMonitor`` syncs CUDA every batch; this callback never touches the device):
+    Phases come from Lightning's hooks and from the components that own the time, with no device
+    synchronization (Lightning's ``ThroughputMonitor`` syncs CUDA every batch; this callback never
+    touches the device):
 
     * ``import``: process start → ``lightning_ett`` imported.
-    * ``process_group_init``: callback built → ``setup`` (Trainer init, launcher, process group).
-    * ``model_init``: ``setup`` → ``on_fit_start`` (``configure_model``, strategy setup).
-    * ``data_init``: ``on_fit_start`` → first batch (loop restore, data-loader start-up).
+    * ``trainer_init``, ``lightning_launcher``, ``process_group_init``, ``logger_init``: the Trainer's
+      construction, Lightning's launcher, ``strategy.setup_environment`` and the loggers' start-up
+      (:mod:`lightning_ett.callbacks.startup`, which also starts the loggers in the background).
+    * ``data_init``: ``prepare_data`` and ``LightningDataModule.setup``; then ``on_fit_start`` → first
+      batch (loop restore, data-loader start-up, first fetch).
+    * ``model_init``: ``setup`` → ``on_fit_start`` (``setup`` hooks, ``configure_model``, strategy setup).
     * ``compile``: every ``torch.compile`` compilation in the process, whoever asked for it
       (Dynamo's compile callbacks), so a first step that compiles is not counted as training.
     * ``train``: each training-step interval, data fetch included; ``eval`` (validation,
       sanity check, test) and ``checkpoint_save`` / ``checkpoint_load`` (timed around
       ``trainer.save_checkpoint`` and ``strategy.load_checkpoint``) nested inside it are not.
     * ``shutdown``: end of training → process exit.
+    * ``other``: time no component claimed (the user's code between ``Trainer()`` and ``fit``).
+
+    Every attempt of the job writes into one W&B run (the job's id, resumed), and ``ett/*`` is
+    logged only at steps past those earlier attempts logged, so its charts never step back.
 
     Other components add phases with :func:`lightning_ett.record_phase`.
 
@@ -85,13 +93,21 @@ class ETTMonitor(Callback):
         self._batch_step: int | None = None
         self._eval_start: float | None = None
         self._prior: Summary | None = None
-        self._logged_step = -1
+        self._logged_step = -1  # ett/* rows go out only past this step (earlier attempts' rows included)
         self._patches = Patches()
-        self._started = False
+        self._startup = StartupProbe(self, self._patches, self._name_wandb_run)
         if not self._timeline.import_recorded:
             imported = import_time()
             self._timeline.record(Phase.IMPORT, min(self.context.process_start, imported), imported)
             self._timeline.import_recorded = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_startup", None)  # waits for this process's Trainer; a copy elsewhere has none to time
+        return state
+
+    def _name_wandb_run(self, loggers: list[Any]) -> None:
+        share_wandb_run(loggers, self.context.job_id, self.context.job_start)
 
     @property
     def _timeline(self) -> Timeline:
@@ -116,11 +132,7 @@ class ETTMonitor(Callback):
         self._timeline.bind(ctx.run_dir, trainer.global_rank, ctx.attempt, header)
         if trainer.is_global_zero:
             write_job_file(ctx.run_dir, ctx.job_id, ctx.job_start)
-        now = time.time()
-        if not self._started:  # a later stage of the same Trainer (test after fit) has no start-up of its own
-            self._timeline.record(Phase.PROCESS_GROUP_INIT, self._mark, now)
-            self._started = True
-        self._mark = now
+        self._mark = time.time()
         compile_tracker()  # compilations become `compile` events, nested in the step that triggered them
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
@@ -130,15 +142,7 @@ class ETTMonitor(Callback):
         original = getattr(owner, name)
         if getattr(original, "_ett_wrapped", False):
             return
-
-        @functools.wraps(original)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._timeline.record(phase, start, time.time())
-
+        timed = record_phase(phase)(original)
         timed._ett_wrapped = True  # type: ignore[attr-defined]
         self._patches.setattr(owner, name, timed)
 
@@ -151,6 +155,9 @@ class ETTMonitor(Callback):
         self._step_start = None  # a second fit starts with its own data_init
         if trainer.is_global_zero:
             self._prior = self._summarize_prior_attempts(trainer.global_step)
+            if self._prior is not None:  # a restart re-runs steps: their ett/* rows are out already
+                last = [a.last_step for a in self._prior.attempts if a.last_step is not None]
+                self._logged_step = max([self._logged_step, *last])
 
     def _summarize_prior_attempts(self, resume_step: int) -> Summary | None:
         """Rank zero's view of earlier attempts, for the live ETT% (read once per attempt)."""
@@ -177,7 +184,7 @@ class ETTMonitor(Callback):
         if self._random_failures is not None:
             maybe_fail_randomly(self._random_failures, trainer.global_rank, trainer.world_size, self.context.attempt,
                                 time.time() - self._training_began)
-        if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step != self._logged_step and trainer.loggers:
+        if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step > self._logged_step and trainer.loggers:
             self._logged_step = step  # once per optimizer step, also under gradient accumulation
             log_to_loggers(trainer, self.live_metrics())
 

@@ -23,7 +23,10 @@ REPORT_PNG = "ett_report.png"
 PHASE_COLORS: dict[str, str] = {
     Phase.LAUNCH.value: "#78909c",
     Phase.IMPORT.value: "#bdbdbd",
+    Phase.TRAINER_INIT.value: "#a1887f",
+    Phase.LIGHTNING_LAUNCHER.value: "#90a4ae",
     Phase.PROCESS_GROUP_INIT.value: "#8d6e63",
+    Phase.LOGGER_INIT.value: "#f48fb1",
     Phase.MODEL_INIT.value: "#ffb74d",
     Phase.SHARDING_PLAN.value: "#ff8a65",
     Phase.DATA_INIT.value: "#fff176",

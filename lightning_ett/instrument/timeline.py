@@ -34,7 +34,10 @@ class Phase(str, Enum):
 
     LAUNCH = "launch"
     IMPORT = "import"
+    TRAINER_INIT = "trainer_init"
+    LIGHTNING_LAUNCHER = "lightning_launcher"
     PROCESS_GROUP_INIT = "process_group_init"
+    LOGGER_INIT = "logger_init"
     MODEL_INIT = "model_init"
     SHARDING_PLAN = "sharding_plan"
     DATA_INIT = "data_init"

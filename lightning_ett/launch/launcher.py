@@ -317,9 +317,10 @@ def launch(opts: LaunchOptions) -> int:
 
 def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
     if opts.preload:
-        from lightning_ett.launch.worker import start_forkserver
+        from lightning_ett.launch.worker import modules_to_preload, start_forkserver
 
-        start_forkserver()  # its imports overlap the launcher's own and the rendezvous
+        # Its imports overlap the launcher's own and the rendezvous.
+        start_forkserver(modules_to_preload(opts.script, opts.script_args))
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

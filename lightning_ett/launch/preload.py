@@ -8,11 +8,12 @@ every worker start. Here each import fails alone, with a warning.
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 
-from lightning_ett.launch.worker import PRELOAD
+from lightning_ett.launch.worker import ENV_PRELOAD, PRELOAD
 
-for _name in PRELOAD:
+for _name in filter(None, os.environ.get(ENV_PRELOAD, ",".join(PRELOAD)).split(",")):
     try:
         importlib.import_module(_name)
     except ImportError:

@@ -4,7 +4,7 @@ server that already imported torch, Lightning and TorchRec.
 Why: every attempt of a job re-imports them in every rank (≈ 3 s per rank on a 2-core
 machine, more with CUDA and a large site-packages), and a restart pays it again. The
 launcher starts one multiprocessing *forkserver* per node, which imports them once
-(:data:`PRELOAD`); every worker of every attempt is forked from it, with those modules
+(:func:`modules_to_preload`); every worker of every attempt is forked from it, with those modules
 already in memory (CUDA untouched, so each child still initializes its own GPU).
 
 The script runs as ``python SCRIPT ARGS`` would run it: ``__name__ == "__main__"``,
@@ -18,19 +18,51 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import runpy
+import signal
 import sys
 import threading
 import traceback
+from pathlib import Path
 
-#: Imported once per node by the forkserver (through :mod:`lightning_ett.launch.preload`).
+#: Imported once per node by the forkserver (through :mod:`lightning_ett.launch.preload`): what
+#: every Lightning + TorchRec script imports.
 PRELOAD: tuple[str, ...] = (
-    "torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "lightning.pytorch",
-    "lightning.pytorch.cli", "torchrec", "torchmetrics", "lightning_ett.callbacks", "lightning_ett.strategies",
+    "torch", "torch.distributed", "lightning.pytorch", "lightning.pytorch.cli", "torchrec", "torchmetrics",
+    "lightning_ett.callbacks", "lightning_ett.strategies",
 )
+#: Preloaded too when the job compiles (:func:`modules_to_preload`).
+COMPILE_PRELOAD: tuple[str, ...] = ("torch._dynamo", "torch._inductor.compile_fx")
+#: The forkserver reads its list here (it inherits the launcher's environment when it starts).
+ENV_PRELOAD = "LIGHTNING_ETT_PRELOAD"
+
+_MENTIONS_COMPILE = re.compile(r"compile", re.IGNORECASE)
+_CONFIG_SUFFIXES = (".py", ".yaml", ".yml", ".json")
 
 
-def start_forkserver() -> None:
+def modules_to_preload(script: str, script_args: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """:data:`PRELOAD`, plus :data:`COMPILE_PRELOAD` when the script or a config file it is given mentions "compile".
+
+    The first attempt's workers wait for the forkserver's preload, which runs on one core.
+    Inductor's import adds about 1.5 s to it (2 cores), so preloading it for a job that never
+    compiles made ``lightning run`` start slower than ``torchrun``, whose workers import only what
+    they use. A job that compiles gets it preloaded, so its restarts skip that import. The check is
+    a text search: a model compiled in another module is not seen, and its workers import
+    inductor themselves, as under torchrun.
+    """
+    paths = [script, *(arg for arg in script_args if arg.endswith(_CONFIG_SUFFIXES))]
+    for path in paths:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        if _MENTIONS_COMPILE.search(text):
+            return PRELOAD + COMPILE_PRELOAD
+    return PRELOAD
+
+
+def start_forkserver(modules: tuple[str, ...] = PRELOAD) -> None:
     """Start the node's forkserver now, so that its imports run while the launcher does its own.
 
     It inherits this process's environment as it is now: call it after the job's variables are set.
@@ -42,6 +74,7 @@ def start_forkserver() -> None:
     # driver in the forkserver, and a forked child could not use CUDA; NVML answers instead.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # as torchrun's `python -u`: output reaches the logs at once
+    os.environ[ENV_PRELOAD] = ",".join(modules)
     multiprocessing.set_forkserver_preload(["lightning_ett.launch.preload"])
     forkserver.ensure_running()
 
@@ -73,6 +106,11 @@ def run_script(script: str, script_args_json: str, env_json: str) -> None:
         traceback.print_exc()
         raise SystemExit(1) from None
     finally:
+        # The script is over: let exit handlers (W&B's final sync, a checkpoint writer's last
+        # word) finish even when the agent, stopping the group after another rank failed, sends
+        # SIGTERM now. Python's default would die on the spot, and an offline W&B run would lose
+        # every record still buffered. The agent SIGKILLs after its grace period (30 s) anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _wait_for_threads()
         atexit._run_exitfuncs()
         sys.stdout.flush()

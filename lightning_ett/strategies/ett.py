@@ -1,6 +1,6 @@
 """ETTStrategy: TorchRec sharding as a Lightning Strategy, with a shorter start-up.
 
-Lightning hooks only; the work is delegated: :mod:`.overlap` (process group in the
+Lightning hooks only; the work is delegated: :mod:`lightning_ett.instrument.background` (process group in the
 background), :mod:`.plan_cache` (local planning and its cache), :mod:`lightning_ett.checkpoint.sharded` (DCP).
 """
 
@@ -35,10 +35,10 @@ from typing_extensions import override
 
 from lightning_ett.checkpoint import sharded as ckpt
 from lightning_ett.durable.commit import retire
+from lightning_ett.instrument.background import BackgroundTask
 from lightning_ett.instrument.timeline import Phase, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
-from lightning_ett.strategies.overlap import BackgroundTask
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
@@ -186,7 +186,7 @@ class ETTStrategy(ParallelStrategy):
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
         self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
         if self.overlap_startup:
-            task = BackgroundTask(self._init_process_group)
+            task = BackgroundTask(self._init_process_group, Phase.PROCESS_GROUP_INIT, name="ett-pg-init")
             try:
                 self._startup_work()
             finally:

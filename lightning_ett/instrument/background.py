@@ -1,7 +1,8 @@
-"""Run process-group setup in a background thread while the main thread does start-up work.
+"""Run one start-up task in a background thread while the main thread does other start-up work.
 
-The thread only calls ``init_process_group``; everything it raises is re-raised on the main
-thread by :meth:`BackgroundTask.join`, with the original traceback chained.
+Used for the process group (ETTStrategy) and the loggers' start-up (ETTMonitor). The task's
+span is recorded as its phase when it is joined; everything the thread raises is re-raised on
+the main thread by :meth:`BackgroundTask.join`, with the original traceback chained.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lightning_ett.instrument.timeline import Phase, get_timeline
 class BackgroundTask:
     """A thread running ``fn`` and recording its span as ``phase`` on the ETT timeline."""
 
-    def __init__(self, fn: Callable[[], Any], phase: Phase = Phase.PROCESS_GROUP_INIT, name: str = "ett-pg-init") -> None:
+    def __init__(self, fn: Callable[[], Any], phase: Phase, name: str) -> None:
         self._fn = fn
         self._phase = phase
         self._error: BaseException | None = None
