@@ -43,8 +43,8 @@ def one_run(out: Path, overlap: bool, tables: int, plan_cache: Path | None = Non
         fit_called = json.loads((out / f"fit_called_rank{ledger.rank}.json").read_text())["fit_called"]
         events = ledger.events
         first_step = min(e["start"] for e in events if e["phase"] == "train")
-        # ETTMonitor's own process_group_init span ends at Lightning's `setup` hook: the
-        # strategy's start-up (process group + overlapped work) lies between fit and that.
+        # ETTMonitor times `strategy.setup_environment` as process_group_init: the strategy's
+        # start-up (process group + overlapped work) lies between fit and its end.
         setup_hook = max(e["end"] for e in events if e["phase"] == "process_group_init")
         inside = [e for e in events if e["start"] >= fit_called and e["end"] <= setup_hook]
         ranks[ledger.rank] = {
