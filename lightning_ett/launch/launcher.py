@@ -341,18 +341,18 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
         attempts = recorder.attempt - recorder.first_attempt + 1
         cause = recorder.last_failure or _root_cause(err)
         reason = f"gave up after {attempts} attempt(s) (--max-restarts {opts.max_restarts}); last failure: {cause}"
-        recorder.finished(1, reason)
-        _print_report(opts, failed=reason)
-        return 1
+        return _finish(opts, recorder, 1, reason, failed=True)
     except (KeyboardInterrupt, SignalException) as err:
         sig = getattr(err, "sigval", signal.SIGINT)
-        reason = f"stopped by {signal.Signals(sig).name}"
-        recorder.finished(128 + int(sig), reason)
-        _print_report(opts, failed=reason)
-        return 128 + int(sig)
-    recorder.finished(0, "finished")
-    _print_report(opts)
-    return 0
+        return _finish(opts, recorder, 128 + int(sig), f"stopped by {signal.Signals(sig).name}", failed=True)
+    return _finish(opts, recorder, 0, "finished", failed=False)
+
+
+def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason: str, failed: bool) -> int:
+    """Print the report, then stop the job's clock: the report is part of what the user waits for."""
+    _print_report(opts, failed=reason if failed else None)
+    recorder.finished(exitcode, reason)
+    return exitcode
 
 
 def _root_cause(err: Any) -> str:
@@ -374,7 +374,7 @@ def _print_report(opts: LaunchOptions, failed: str | None = None) -> None:
     from lightning_ett.instrument.summary import summarize_run_dir
 
     try:
-        summary = summarize_run_dir(opts.run_dir)
+        summary = summarize_run_dir(opts.run_dir, now=time.time())  # the launcher's end is written after
         write_report(summary, opts.run_dir, console)
     except (FileNotFoundError, ValueError) as err:
         console.print(f"[yellow]No ETT report: {escape(str(err))}[/yellow]")
