@@ -8,13 +8,12 @@ restarted once.
 
 ``--job dlrm`` (benchmarks/e2e_job.py; defaults ``--steps 600 --every 100 --kill-at 350 --rounds 1``):
 the example TorchRec DLRM (26 tables x 20,000 x 16) on 2 CPU ranks (gloo), batch 512, the dense
-parts compiled with torch.compile. Every attempt starts with an empty default inductor
-directory: a restart on another host (the pack's CompileCache directory stands for shared
-storage and carries over).
+parts compiled with torch.compile. Both arms keep inductor's default cache directory on the same
+host across the job's attempts (the pack's CompileCache directory too).
 
-* **vanilla**: stock Lightning (DDP, synchronous ``ModelCheckpoint(save_last=True)``), cold
-  compile on every attempt, started as ``python e2e_job.py`` (Lightning spawns rank 1) and
-  restarted at once by this script from ``last.ckpt``.
+* **vanilla**: stock Lightning (DDP, synchronous ``ModelCheckpoint(save_top_k=1, save_last="link")``:
+  one write per save), started by ``torchrun --standalone`` and started again at once by this
+  script when it failed, resuming from ``last.ckpt``.
 * **pack, first job**: ``lightning run --max-restarts 1`` + ETTStrategy + ETTMonitor +
   AsyncCheckpoint + CompileCache + DynamicShapes, with an empty compile cache.
 * **pack, recurring job**: the same, with the compile cache a previous job of this model left
@@ -61,7 +60,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.reference_job import BIN, JOB, env, run, run_pack
+from benchmarks.reference_job import BIN, JOB, env, run_pack
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path
 from lightning_ett.instrument.summary import Summary, summarize_run_dir
 
@@ -106,15 +105,8 @@ def failed(what: str, log: Path, rc: int) -> RuntimeError:
 
 # ---------------------------------------------------------------------------- the DLRM job
 def dlrm_vanilla(work: Path, job: list[str], kill: str) -> Result:
-    """Two plain launches; this script plays the operator who restarts the job (at once)."""
-    started = time.time()  # the job's clock starts when it is launched, as the pack's launcher's does
-    run([sys.executable, JOB, "--arm", "vanilla", "--work", str(work), *job],
-        env(work / "inductor0", LIGHTNING_ETT_FAULT_KILL=kill, LIGHTNING_ETT_JOB_START=repr(started)), expect_ok=False)
-    run([sys.executable, JOB, "--arm", "vanilla", "--work", str(work), *job, "--resume"],
-        env(work / "inductor1", LIGHTNING_ETT_JOB_START=repr(started)))
-    probe = time.time() - started
-    write_end(work / "run")
-    return Result(summarize_run_dir(work / "run"), probe)
+    """torchrun, then the same command once it failed (resuming from ``last.ckpt``): the operator's restart."""
+    return vanilla_torchrun(work, JOB, [*job, "--resume"], kill, expect_failure=True)
 
 
 def dlrm_pack(work: Path, job: list[str], kill: str, compile_cache: Path) -> Result:
@@ -142,18 +134,22 @@ def dlrm_round(tmp: Path, r: int, job: list[str], kill: str) -> dict[str, Result
 
 
 # ---------------------------------------------------------------------------- the user job
-def user_env(work: Path, kill: str, **extra: str) -> dict[str, str]:
+def job_env(work: Path, kill: str, **extra: str) -> dict[str, str]:
     """Both arms: one default inductor directory for the job's attempts (same host)."""
     return env(work / "inductor", LIGHTNING_ETT_FAULT_KILL=kill, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **extra)
 
 
 def user_vanilla(work: Path, job: list[str], kill: str, expect_failure: bool) -> Result:
+    return vanilla_torchrun(work, USER_JOB, job, kill, expect_failure)
+
+
+def vanilla_torchrun(work: Path, script: str, job: list[str], kill: str, expect_failure: bool) -> Result:
     """``torchrun``, then the same command again once it failed: the operator's restart (at once)."""
     work.mkdir(parents=True)
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", USER_JOB, "--arm", "vanilla", "--work",
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", script, "--arm", "vanilla", "--work",
            str(work), *job]
     started = time.time()
-    environ = user_env(work, kill, LIGHTNING_ETT_JOB_START=repr(started))
+    environ = job_env(work, kill, LIGHTNING_ETT_JOB_START=repr(started))
     rc = launch(cmd, environ, work / "attempt0.log")
     if expect_failure != (rc != 0):
         raise failed("vanilla attempt 0 (a SIGKILL was expected)" if expect_failure else "vanilla", work / "attempt0.log", rc)
@@ -170,7 +166,7 @@ def user_pack(work: Path, job: list[str], kill: str, expect_failure: bool) -> Re
     work.mkdir(parents=True)
     cmd = [str(BIN / "lightning"), "run", "--devices", "2", "--max-restarts", "1", "--run-dir", str(work / "run"),
            USER_JOB, "--arm", "pack", "--work", str(work), *job]
-    environ = user_env(work, kill)
+    environ = job_env(work, kill)
     started = time.time()
     rc = launch(cmd, environ, work / "launcher.log")
     probe = time.time() - started

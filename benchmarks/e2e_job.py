@@ -4,7 +4,8 @@
   AsyncCheckpoint every K steps (resumes by itself), CompileCache, DynamicShapes. Started by
   ``lightning run``, which restarts it.
 * ``--arm vanilla``: stock Lightning: DDP, synchronous ``ModelCheckpoint`` every K steps
-  (``save_last``), ``--resume`` restarts from ``last.ckpt``; ETTMonitor only measures.
+  (``save_top_k=1, save_last="link"``: one write per save), ``--resume`` restarts from
+  ``last.ckpt`` if there is one; ETTMonitor only measures. Started by torchrun.
 
 Both compile the dense parts of the model (``DLRMModule(compile_dense=True)``).
 """
@@ -51,7 +52,8 @@ def main() -> None:
     else:
         strategy = "ddp"
         callbacks = [ETTMonitor(run_dir=work / "run", report_on_end=False),
-                     ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=args.every, save_last=True)]
+                     ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=args.every, save_top_k=1,
+                                     save_last="link")]  # one write per save
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0)
