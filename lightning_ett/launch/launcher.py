@@ -20,6 +20,9 @@ processes, restarts and signal forwarding are torchrun's. What the layer adds:
 * **Restarts without re-imports.** Workers are forked from one pre-imported server per node
   (:mod:`lightning_ett.launch.worker`), unless ``preload=False`` (``--no-preload``). A SIGTERM
   stops them at once (torch's agent would leave finished forked workers waiting 30 s).
+* **One W&B service for the job** (:mod:`lightning_ett.launch.wandb_service`) when the script
+  mentions W&B: a killed rank's records are still written, and restarts connect instead of
+  starting one.
 * **The report** (``lightning-ett report``) is printed at the end.
 
 torch exposes no parameter for the agent class, so :func:`launch` swaps
@@ -55,6 +58,7 @@ from lightning_ett.instrument.environment import (
     write_job_file,
 )
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, read_launcher_records, recorded_attempts
+from lightning_ett.launch.wandb_service import WandbService
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -126,8 +130,9 @@ def _tail(path: str | None, max_bytes: int = 64 * 1024) -> list[str]:
 class LaunchRecorder:
     """Numbers the attempts of this launch and writes the launcher's ledger for this node."""
 
-    def __init__(self, opts: LaunchOptions, job_start: float) -> None:
+    def __init__(self, opts: LaunchOptions, job_start: float, wandb_service: WandbService | None = None) -> None:
         self.opts = opts
+        self.wandb_service = wandb_service
         self.first_attempt = next_attempt(opts.run_dir)
         self.attempt = self.first_attempt - 1
         self.last_failure: str | None = None
@@ -144,6 +149,8 @@ class LaunchRecorder:
         self.attempt += 1
         now = time.time()
         env = {ENV_ATTEMPT: str(self.attempt), ENV_ATTEMPT_START: repr(now)}
+        if self.wandb_service is not None:
+            env.update(self.wandb_service.worker_env())
         os.environ.update(env)  # subprocess workers inherit it; forked ones get `env` as an argument
         self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
         return env
@@ -159,6 +166,8 @@ class LaunchRecorder:
         by peer" errors after it.
         """
         now = time.time()
+        if self.wandb_service is not None:
+            self.wandb_service.restart()
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
         logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
         pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
@@ -307,7 +316,10 @@ def launch(opts: LaunchOptions) -> int:
         ENV_RUN_DIR: str(opts.run_dir), ENV_JOB_ID: opts.job_id, ENV_JOB_START: repr(job_start),
         ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     })
-    recorder = LaunchRecorder(opts, job_start)
+    from lightning_ett.launch.worker import MENTIONS_WANDB, mentions
+
+    service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
+    recorder = LaunchRecorder(opts, job_start, service)
     try:
         return _launch(opts, recorder)
     except BaseException as err:
@@ -350,6 +362,8 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
 
 def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason: str, failed: bool) -> int:
     """Print the report, then stop the job's clock: the report is part of what the user waits for."""
+    if recorder.wandb_service is not None:
+        recorder.wandb_service.stop()  # the runs' last records are written before the job ends
     _print_report(opts, failed=reason if failed else None)
     recorder.finished(exitcode, reason)
     return exitcode

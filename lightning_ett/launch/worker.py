@@ -38,7 +38,25 @@ COMPILE_PRELOAD: tuple[str, ...] = ("torch._dynamo", "torch._inductor.compile_fx
 ENV_PRELOAD = "LIGHTNING_ETT_PRELOAD"
 
 _MENTIONS_COMPILE = re.compile(r"compile", re.IGNORECASE)
+MENTIONS_WANDB = re.compile(r"wandb", re.IGNORECASE)
 _CONFIG_SUFFIXES = (".py", ".yaml", ".yml", ".json")
+
+
+def mentions(pattern: re.Pattern[str], script: str, script_args: tuple[str, ...] = ()) -> bool:
+    """Whether the script, or a config file among its arguments, matches ``pattern`` (a text search).
+
+    How the launcher guesses what a job will use before it runs: a match in a comment counts,
+    and a module imported from elsewhere is not read.
+    """
+    paths = [script, *(arg for arg in script_args if arg.endswith(_CONFIG_SUFFIXES))]
+    for path in paths:
+        try:
+            text = Path(path).read_text(errors="replace")
+        except OSError:
+            continue
+        if pattern.search(text):
+            return True
+    return False
 
 
 def modules_to_preload(script: str, script_args: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -47,19 +65,11 @@ def modules_to_preload(script: str, script_args: tuple[str, ...] = ()) -> tuple[
     The first attempt's workers wait for the forkserver's preload, which runs on one core.
     Inductor's import adds about 1.5 s to it (2 cores), so preloading it for a job that never
     compiles made ``lightning run`` start slower than ``torchrun``, whose workers import only what
-    they use. A job that compiles gets it preloaded, so its restarts skip that import. The check is
-    a text search: a model compiled in another module is not seen, and its workers import
+    they use. A job that compiles gets it preloaded, so its restarts skip that import. A
+    model compiled in another module is not seen (:func:`mentions`): its workers then import
     inductor themselves, as under torchrun.
     """
-    paths = [script, *(arg for arg in script_args if arg.endswith(_CONFIG_SUFFIXES))]
-    for path in paths:
-        try:
-            text = Path(path).read_text(errors="replace")
-        except OSError:
-            continue
-        if _MENTIONS_COMPILE.search(text):
-            return PRELOAD + COMPILE_PRELOAD
-    return PRELOAD
+    return PRELOAD + COMPILE_PRELOAD if mentions(_MENTIONS_COMPILE, script, script_args) else PRELOAD
 
 
 def start_forkserver(modules: tuple[str, ...] = PRELOAD) -> None:
