@@ -1,12 +1,29 @@
-"""Time to the first finished training step: a cold start vs restarts that reuse CompileCache.
+"""Time to the first finished training step of a compiled job: its cold start, then its first and second restart.
 
-    .venv/bin/python benchmarks/compile_restart.py [--rounds 2]
+    .venv/bin/python benchmarks/compile_restart.py [--rounds 3] [--models dlrm,mlp] [--kill-step 3]
 
-The example DLRM on one CPU process, compiled by CompileCache(compile_module=True), each start
-a fresh process with an empty default inductor directory (what a restart on another host
-has). Arms: cold (empty cache dir); warm restart (the cold run's cache dir, on shared
-storage); bundle only (a new cache dir holding only the portable mega-cache bundle).
-Goal: warm <= 25 % of cold.
+Each model runs as one job under `lightning run --max-restarts 2` (1 CPU process) with
+CompileCache(cache_dir=...): its worker is SIGKILLed after step ``--kill-step`` of attempts 0
+and 1 (``LIGHTNING_ETT_FAULT_KILL``), and attempt 2 trains to the end. Every attempt is a fresh
+process whose default inductor directory (``TORCHINDUCTOR_CACHE_DIR``) is new and empty, as on
+another host; the CompileCache directory carries over, like shared storage. Models:
+
+* ``dlrm``: the example DLRM, compiled by CompileCache(compile_module=True);
+* ``mlp``: a user's own LightningModule, an MLP with ``self.net = torch.compile(...)``, trained
+  on batches of four sizes with DynamicShapes().
+
+Times, from the job's ledger and the launcher's records:
+
+* cold: the launcher's start -> the end of attempt 0's first training step;
+* first restart: the kill (the end of attempt 0's last step, right after which its worker
+  SIGKILLs itself) -> the end of attempt 1's first step. It includes failure detection,
+  teardown, re-rendezvous and the new worker's start-up, not only its compile;
+* second restart: the same from attempt 1's kill to attempt 2's first step.
+
+Prints medians and the spread (min-max) over ``--rounds`` rounds, each restart's ratio to its
+round's cold start (goal: first restart <= 0.25 of cold), and what each attempt's first step
+compiled: FX-graph / AOTAutograd cache hits and C++ compiler runs (a warm CPU restart runs one,
+inductor's ~0.1 s header preprocessing).
 """
 
 from __future__ import annotations
@@ -14,88 +31,93 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ARMS = ("cold", "first restart", "second restart")
 
 
-def start(cache: Path, tmp: Path, name: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
-    env.update(PYTHONPATH=str(HERE.parent), TORCHINDUCTOR_CACHE_DIR=str(tmp / f"default-{name}"))
-    out = tmp / f"{name}.json"
-    proc = subprocess.run([sys.executable, str(HERE / "compile_restart_job.py"), "--cache-dir", str(cache), "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=1200, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(out.read_text())
-
-
-def under_launcher(tmp: Path, name: str) -> dict:
-    """A job under `lightning run` whose worker is SIGKILLed after its first step, then restarted.
-
-    Returns the cold start (launcher start -> end of attempt 0's first step, empty cache) and the
-    restart (the agent starting attempt 1 -> end of its first step): what a restart costs in the
-    pack's own deployment, where workers are forked from a pre-imported server.
-    """
-    sys.path.insert(0, str(HERE.parent))
+def one_job(model: str, tmp: Path, kill_step: int) -> dict[str, dict]:
+    """Run one job through its cold start and two restarts; returns per-arm seconds and first-step facts."""
     from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 
-    run_dir = tmp / f"{name}-run"
+    run_dir, out = tmp / "run", tmp / "out"
+    out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
-    env.update(PYTHONPATH=str(HERE.parent), TORCHINDUCTOR_CACHE_DIR=str(tmp / f"default-{name}"),
-               LIGHTNING_ETT_FAULT_KILL="0:1:0")
-    cmd = [str(Path(sys.executable).parent / "lightning"), "run", "--max-restarts", "1", "--run-dir", str(run_dir),
-           str(HERE / "compile_restart_job.py"), "--cache-dir", str(tmp / f"{name}-cache"), "--out",
-           str(tmp / f"{name}.json"), "--monitor"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    env.update(PYTHONPATH=str(HERE.parent), TORCHINDUCTOR_CACHE_DIR=str(tmp / "default-launcher"),
+               LIGHTNING_ETT_FAULT_KILL=f"0:{kill_step}:0,0:{kill_step}:1")
+    cmd = [str(Path(sys.executable).parent / "lightning"), "run", "--devices", "1", "--max-restarts", "2",
+           "--run-dir", str(run_dir), str(HERE / "compile_restart_job.py"), "--model", model,
+           "--cache-dir", str(tmp / "compile-cache"), "--default-inductor-root", str(tmp / "default-inductor"),
+           "--out", str(out), "--max-steps", str(kill_step + 2)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
+        raise RuntimeError(f"{model}: `lightning run` exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     records = read_launcher_records(run_dir)
-    started = {r["attempt"]: r["time"] for r in records if r["kind"] == "attempt"}
     job_start = min(r["job_start"] for r in records if r["kind"] == "launch")
-    first_step = {lg.attempt: min(e["end"] for e in lg.events if e["phase"] == "train") for lg in read_ledger(run_dir)}
-    return {"cold_s": first_step[0] - job_start, "restart_s": first_step[1] - started[1]}
+    failed = {r["attempt"] for r in records if r["kind"] == "failure"}
+    steps = {lg.attempt: sorted(e["end"] for e in lg.events if e["phase"] == "train") for lg in read_ledger(run_dir, {0})}
+    if failed != {0, 1} or sorted(steps) != [0, 1, 2] or not all(steps.values()):
+        raise RuntimeError(f"{model}: expected attempts 0 and 1 to fail after step {kill_step} and attempt 2 to train; "
+                           f"failures {sorted(failed)}, attempts with steps {sorted(steps)}")
+    started = [job_start, steps[0][-1], steps[1][-1]]  # launcher start, first kill, second kill
+    facts = {a: json.loads((out / f"attempt-{a}.json").read_text()) for a in range(3)}
+    return {arm: {"s": steps[a][0] - started[a], **facts[a]} for a, arm in enumerate(ARMS)}
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
+
+
+def report(model: str, rounds: list[dict[str, dict]]) -> None:
+    print(f"\n{model}: seconds to the end of the first training step (median (min-max) of {len(rounds)} rounds)")
+    print(f"  {'arm':<16}{'from':<28}{'seconds':>22}{'ratio to cold':>24}{'fx hit/miss':>13}{'aot hit/miss':>13}"
+          f"{'C++ runs':>9}{'C++ s':>7}")
+    froms = ("launcher start", "the kill of attempt 0", "the kill of attempt 1")
+    for arm, origin in zip(ARMS, froms):
+        xs = [r[arm] for r in rounds]
+        ratios = [r[arm]["s"] / r["cold"]["s"] for r in rounds]
+
+        def med(key: str) -> float:
+            return statistics.median(x[key] for x in xs)  # noqa: B023 - used at once
+
+        print(f"  {arm:<16}{origin:<28}{spread([x['s'] for x in xs], '.2f'):>22}{spread(ratios, '.3f'):>24}"
+              f"{med('compile/fx_cache_hits'):>7.0f}/{med('compile/fx_cache_misses'):<5.0f}"
+              f"{med('compile/aot_cache_hits'):>7.0f}/{med('compile/aot_cache_misses'):<5.0f}"
+              f"{med('compile/cpp_compiles'):>9.0f}{med('compile/cpp_compile_s'):>7.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--launcher", action="store_true", help="also measure a restart under `lightning run`")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="dlrm,mlp", help="comma-separated: dlrm, mlp")
+    parser.add_argument("--kill-step", type=int, default=3, help="SIGKILL attempts 0 and 1 after this step (>= 2)")
+    parser.add_argument("--json", default=None, help="also write every round's figures to this file")
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {"cold": [], "warm restart": [], "bundle only": []}
-    launched: list[dict] = []
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        for r in range(args.rounds):
-            cache, moved = tmp / f"cache{r}", tmp / f"moved{r}"
-            runs["cold"].append(start(cache, tmp, f"cold{r}"))
-            runs["warm restart"].append(start(cache, tmp, f"warm{r}"))
-            moved.mkdir()
-            for name in ("mega_cache.bin", "mega_cache.json"):
-                shutil.copy(cache / name, moved / name)
-            runs["bundle only"].append(start(moved, tmp, f"bundle{r}"))
-            if args.launcher:
-                launched.append(under_launcher(tmp, f"launched{r}"))
-    cold = statistics.median(x["first_step_s"] for x in runs["cold"])
-    print(f"{'arm':<14}{'first step s':>14}{'compile s':>11}{'dynamo s':>10}{'backend s':>11}{'fx hits':>9}{'ratio':>8}")
-    for arm, xs in runs.items():
-        med = {k: statistics.median(x[k] for x in xs) for k in ("first_step_s", "compile_s", "compile/dynamo_s",
-                                                                 "compile/backend_s", "compile/fx_cache_hits")}
-        print(f"{arm:<14}{med['first_step_s']:>14.2f}{med['compile_s']:>11.2f}{med['compile/dynamo_s']:>10.2f}"
-              f"{med['compile/backend_s']:>11.2f}{med['compile/fx_cache_hits']:>9.0f}{med['first_step_s'] / cold:>8.3f}")
-    print(f"(medians of {args.rounds} rounds; goal: warm restart <= 0.25 of cold)")
-    if launched:
-        lr_cold = statistics.median(x["cold_s"] for x in launched)
-        lr_restart = statistics.median(x["restart_s"] for x in launched)
-        print(f"under `lightning run` (worker SIGKILLed after its first step, restarted; medians of {len(launched)}):")
-        print(f"  cold start, launcher start -> first step   {lr_cold:8.2f} s")
-        print(f"  restart, agent restart -> first step        {lr_restart:8.2f} s   "
-              f"÷ that cold start {lr_restart / lr_cold:.3f}   ÷ plain cold {lr_restart / cold:.3f}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not set(models) <= {"dlrm", "mlp"} or not models:
+        parser.error(f"--models {args.models!r}: expected a comma-separated subset of dlrm, mlp")
+    if args.kill_step < 2 or args.rounds < 1:
+        parser.error("--kill-step must be >= 2 (the cache saves its bundle after step 1) and --rounds >= 1")
+    sys.path.insert(0, str(HERE.parent))
+    results: dict[str, list[dict[str, dict]]] = {m: [] for m in models}
+    began = time.time()
+    with tempfile.TemporaryDirectory(prefix="compile-restart-") as d:
+        for r in range(args.rounds):  # models alternate within a round: drift on a shared machine hits both alike
+            for m in models:
+                results[m].append(one_job(m, Path(d) / f"{m}-{r}", args.kill_step))
+                print(f"round {r + 1}/{args.rounds} {m}: " + ", ".join(
+                    f"{arm} {results[m][-1][arm]['s']:.2f}s" for arm in ARMS), flush=True)
+    for m in models:
+        report(m, results[m])
+    print(f"\n(goal: first restart <= 0.25 of cold; {time.time() - began:.0f} s in all)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from lightning_ett.compile.cache import (
     ARTIFACTS,
     ARTIFACTS_INFO,
     Bundle,
+    IsaProbe,
     compile_metrics,
     configure,
-    probe_cpu_isa_in_background,
 )
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.instrument.compile_events import CompileTracker, compile_tracker
@@ -51,7 +51,10 @@ class CompileCache(Callback):
     config) hold from ``setup`` to ``teardown`` and are then restored.
 
     Logged from rank zero: ``compile/dynamo_s`` (tracing, which no cache removes),
-    ``compile/backend_s``, ``compile/fx_cache_hits|misses`` and ``compile/aot_cache_hits|misses``;
+    ``compile/backend_s``, ``compile/fx_cache_hits|misses``, ``compile/aot_cache_hits|misses`` and
+    ``compile/cpp_compiles`` / ``compile/cpp_compile_s`` (C++ compiler runs: kernels, the
+    precompiled header, the ISA probe; a warm CPU restart runs one, inductor's ~0.1 s header
+    preprocessing);
     each compilation is a ``compile`` phase on the ETT timeline.
 
     Security: the cache files are pickles. They are loaded only from ``cache_dir``; give it a
@@ -85,6 +88,7 @@ class CompileCache(Callback):
         self._tracker: CompileTracker | None = None
         self._saved_at_compiles = -1
         self._validated = False
+        self._isa_probe: IsaProbe | None = None
 
     # ------------------------------------------------------------------ set-up: before anything compiles
     @override
@@ -95,7 +99,7 @@ class CompileCache(Callback):
         configure(self._patches, inductor_dir, self.job_id, self.autotune_pruning, self.batch_fusion)
         self._tracker = compile_tracker()
         if trainer.strategy.root_device.type == "cpu":
-            probe_cpu_isa_in_background()
+            self._isa_probe = IsaProbe(self._patches)  # inductor's own ISA lookups wait for it (why: IsaProbe)
         problem = self._bundle.load(owner=trainer.is_global_zero)  # every rank fills its caches; rank 0 heals
         if problem is not None:
             rank_zero_warn(problem)
@@ -139,6 +143,8 @@ class CompileCache(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._isa_probe is not None:  # a compile after fit must not run beside it either
+            self._isa_probe.wait(timeout=300)
         self._patches.undo()
 
     @override

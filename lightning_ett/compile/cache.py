@@ -10,6 +10,7 @@ graph then came from the inductor directory.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -118,27 +119,75 @@ def compile_metrics() -> dict[str, float]:
         "compile/fx_cache_misses": float(counters["inductor"]["fxgraph_cache_miss"]),
         "compile/aot_cache_hits": float(counters["aot_autograd"]["autograd_cache_hit"]),
         "compile/aot_cache_misses": float(counters["aot_autograd"]["autograd_cache_miss"]),
+        # C++ compiler runs (kernels, precompiled headers, ISA probes): none on a warm CPU restart
+        # but the precompiled header's preprocessing (~0.1 s), which inductor runs in every process.
+        "compile/cpp_compiles": float(len(compilation_time_metrics.get("compile_file", []))),
+        "compile/cpp_compile_s": total("compile_file"),
     }
 
 
-def probe_cpu_isa_in_background() -> None:
-    """Start inductor's CPU vector-ISA probe now, in a thread, instead of inside the first compile.
+class IsaProbe:
+    """Inductor's CPU vector-ISA probe, run in a thread from ``setup``; inductor's own ISA lookups wait for it.
 
-    Inductor's first CPU compile in a process checks which vector ISAs (AVX2, AVX-512…) work
-    by building and loading probe libraries in ~10 subprocesses: 1.2 s here, paid on every
-    restart even when every graph comes from the cache (no cache keeps it: it describes this
-    host). Run from ``setup`` it overlaps with the rest of start-up and with Dynamo's tracing
-    of the first step; the result is ``functools.cache``-d, so the compile then finds it done.
+    Why a thread: inductor's first CPU compile in a process checks which vector ISAs (AVX2,
+    AVX-512…) work by building and loading probe libraries in ~10 subprocesses: 1 s here with
+    the probe libraries already in the (persistent) inductor directory, 5 s without, paid on
+    every restart even when every graph comes from the cache (no cache keeps the result: it
+    describes this host). Started from ``setup`` it overlaps with the rest of start-up and with
+    Dynamo's tracing of the first step; the result is ``functools.cache``-d.
+
+    Why inductor must wait for it (issue #15: a first restart with all FX-graph and AOTAutograd
+    cache hits still compiled C++ for 6-7 s): the probe is not thread-safe. To check AVX-512 BF16,
+    ``VecAVX512.__bool__`` appends ``-mavx512bf16`` to the shared ISA object's ``_arch_flags``
+    around a test build and then puts the old value back, and ``functools.cache`` does not stop
+    two threads from running that check at once. A compile whose ``pick_vec_isa()`` ran beside
+    the probe read the flags mid-check (or the two checks interleaved and left the flag in for
+    good), so its C++ command line, which keys every compiled kernel and the precompiled header,
+    depended on timing: the cold run built ``… -mavx512vnni -mavx512vl -mavx512bf16`` kernels, the
+    first restart asked for ``… -mavx512vl`` ones, missed them all and built them again (and,
+    where the host had none for that command line, a ~155 MB precompiled header: 7.5 s here);
+    the second restart happened to agree with the first. Gating ``valid_vec_isa_list`` (which
+    every ``pick_vec_isa()`` calls) on the probe makes every process compute the flags alone,
+    the same way, so a restart finds the cold run's kernels. ``patches`` takes the gate away.
     """
-    def probe() -> None:
+
+    def __init__(self, patches: Patches) -> None:
+        self.done = threading.Event()
         try:
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
+            from torch._inductor import cpu_vec_isa
 
-            pick_vec_isa()
-        except Exception as e:  # noqa: BLE001 - only a head start: the compile will probe itself
-            log.debug(f"CompileCache: background ISA probe failed ({e!r}); the first compile will probe")
+            probe_isas = cpu_vec_isa.valid_vec_isa_list
+        except (ImportError, AttributeError):  # another torch: no head start, inductor probes by itself
+            self.done.set()
+            return
+        cache_info = getattr(probe_isas, "cache_info", None)
+        if cache_info is not None and cache_info().currsize:  # already probed in this process
+            self.done.set()
+            return
 
-    threading.Thread(target=probe, name="ett-inductor-isa-probe", daemon=True).start()
+        @functools.wraps(probe_isas)
+        def after_probe() -> list:
+            self.done.wait()
+            return probe_isas()
+
+        for name in ("cache_info", "cache_clear"):  # still the functools.cache it stands for
+            if hasattr(probe_isas, name):
+                setattr(after_probe, name, getattr(probe_isas, name))
+
+        def probe() -> None:
+            try:
+                probe_isas()
+            except Exception as e:  # noqa: BLE001 - only a head start: the compile will probe itself
+                log.debug(f"CompileCache: background ISA probe failed ({e!r}); the first compile will probe")
+            finally:
+                self.done.set()
+
+        patches.setattr(cpu_vec_isa, "valid_vec_isa_list", after_probe)
+        threading.Thread(target=probe, name="ett-inductor-isa-probe", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the probe (e.g. before taking the gate away); ``False`` if it is still running."""
+        return self.done.wait(timeout)
 
 
 def _counts(cache_info: object) -> dict[str, int]:
@@ -152,4 +201,4 @@ def _compiled_anything_new() -> bool:
     return counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"] > 0
 
 
-__all__ = ["ARTIFACTS", "ARTIFACTS_INFO", "Bundle", "compile_metrics", "configure", "probe_cpu_isa_in_background"]
+__all__ = ["ARTIFACTS", "ARTIFACTS_INFO", "Bundle", "IsaProbe", "compile_metrics", "configure"]
