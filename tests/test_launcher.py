@@ -200,3 +200,6 @@ def test_the_forkserver_preloads_inductor_only_for_a_job_that_compiles(tmp_path)
     config.write_text("trainer:\n  callbacks:\n    - class_path: lightning_ett.CompileCache\n")
     assert set(COMPILE_PRELOAD) <= set(modules_to_preload(str(plain), ("--config", str(config))))
     assert modules_to_preload(str(tmp_path / "missing.py")) == PRELOAD
+    logged = tmp_path / "train_logged.py"
+    logged.write_text("from lightning.pytorch.loggers import WandbLogger\n")
+    assert "wandb" not in modules_to_preload(str(logged))  # its import makes a media dir the first exit deletes

@@ -238,21 +238,19 @@ class ETTMonitor(Callback):
             return
         summary = summarize_run_dir(self.run_dir, now=time.time())
         log_to_loggers(trainer, _metrics(summary.phases, summary.wall_s))
-        from lightning_ett.instrument.report import REPORT_PNG, write_report
-
-        # Under `lightning run` the launcher prints the job's report once the job ends.
-        write_report(summary, self.run_dir, show=self.report_on_end and ENV_LAUNCHER not in os.environ)
-        self._log_wandb(trainer, summary, self.run_dir / REPORT_PNG)
-
-    @staticmethod
-    def _log_wandb(trainer: pl.Trainer, summary: Summary, png: Path) -> None:
         from lightning.pytorch.loggers import WandbLogger
 
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                from lightning_ett.callbacks.loggers import log_breakdown
+        from lightning_ett.instrument.report import REPORT_PNG, write_report
 
-                log_breakdown(logger.experiment, summary, png)
+        wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        if ENV_LAUNCHER in os.environ and not wandb_loggers:
+            summary.write_json(self.run_dir)  # the launcher writes the job's report (PNG, table) once the job ends
+        else:  # W&B shows the PNG; without a launcher, this is the report
+            write_report(summary, self.run_dir, show=self.report_on_end and ENV_LAUNCHER not in os.environ)
+        for logger in wandb_loggers:
+            from lightning_ett.callbacks.loggers import log_breakdown
+
+            log_breakdown(logger.experiment, summary, self.run_dir / REPORT_PNG)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

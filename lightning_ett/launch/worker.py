@@ -34,6 +34,9 @@ PRELOAD: tuple[str, ...] = (
 )
 #: Preloaded too when the job compiles (:func:`modules_to_preload`).
 COMPILE_PRELOAD: tuple[str, ...] = ("torch._dynamo", "torch._inductor.compile_fx")
+# Not preloaded: wandb. Its import creates a process-wide media directory (``wandb-media`` in
+# TMPDIR) that the first worker to exit deletes, so every later attempt forked from the same
+# server failed to log a table or an image.
 #: The forkserver reads its list here (it inherits the launcher's environment when it starts).
 ENV_PRELOAD = "LIGHTNING_ETT_PRELOAD"
 
