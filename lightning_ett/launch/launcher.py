@@ -40,6 +40,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -249,10 +250,21 @@ def _release_finished_workers(pcontext: Any) -> None:
     restart) never reads it: torch's ``MultiprocessContext._close`` signals the workers but does
     not set that event, so each finished worker sat out the 30 s timeout and was SIGKILLed, and a
     preempted job spent 30 s of the scheduler's grace period doing nothing.
+
+    The event is set from a daemon thread given :data:`RELEASE_TIMEOUT_S`: a multiprocessing
+    ``Event.set`` waits for every process that sleeps on it to wake, and a sleeper that died
+    (torch's ``ProcessContext.join`` kills the others when one worker fails) never does. Set
+    inline, that hung the launcher forever when a rank failed after another had finished.
     """
     event = getattr(pcontext, "_worker_finished_event", None)
     if event is not None:
-        event.set()
+        setter = threading.Thread(target=event.set, name="ett-release-workers", daemon=True)
+        setter.start()
+        setter.join(RELEASE_TIMEOUT_S)
+
+
+#: How long the agent waits for the finished workers' release before it stops them anyway.
+RELEASE_TIMEOUT_S = 2.0
 
 
 class _PlainTraceback(logging.Filter):

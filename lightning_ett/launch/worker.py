@@ -128,6 +128,8 @@ def run_script(script: str, script_args_json: str, env_json: str) -> None:
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
+        # Done: a SIGTERM may end it again (it may now wait for the agent to read its result).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _check_cuda_untouched() -> None:

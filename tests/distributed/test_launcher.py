@@ -191,3 +191,15 @@ def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path
     assert summarize_run_dir(tmp_path / "run").outcome == "stopped by SIGTERM"
     assert "stopped by SIGTERM" in err
     assert "forcefully exiting" not in err, err[-3000:]  # the workers stopped on the SIGTERM, not at torch's 30 s SIGKILL
+
+
+def test_a_rank_failing_after_another_finished_ends_the_launch_instead_of_hanging_it(tmp_path):
+    # Rank 1's script ends and it waits for the agent; rank 0 then fails. torch kills the waiting
+    # rank, and setting the release event inline used to block the launcher forever on it.
+    started = time.time()
+    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
+                         str(SCRIPTS / "late_failure_job.py"), timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.time() - started < 60
+    end = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
+    assert end and "rank 0 failed after rank 1 had finished" in end[0]["reason"]
