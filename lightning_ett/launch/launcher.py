@@ -374,6 +374,10 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
 
 def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason: str, failed: bool) -> int:
     """Print the report, then stop the job's clock: the report is part of what the user waits for."""
+    if opts.preload:
+        from lightning_ett.launch.worker import stop_forkserver
+
+        stop_forkserver()
     if recorder.wandb_service is not None:
         recorder.wandb_service.stop()  # the runs' last records are written before the job ends
     _print_report(opts, failed=reason if failed else None)

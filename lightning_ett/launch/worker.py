@@ -92,6 +92,27 @@ def start_forkserver(modules: tuple[str, ...] = PRELOAD) -> None:
     forkserver.ensure_running()
 
 
+def stop_forkserver() -> None:
+    """End the node's forkserver once the job is over (no-op if none runs).
+
+    Left alone, it notices the launcher's exit only afterwards and then tears its interpreter
+    down (≈ 1 s with torch imported): an orphan that outlived ``lightning run`` and held its
+    output pipe open, so ``lightning run … | tee log`` waited for it. Its workers are gone and it
+    holds nothing else, so it is killed; the standard library's own stop then closes its socket.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()
+
+
 def run_script(script: str, script_args_json: str, env_json: str) -> None:
     """Entry point of each worker (a picklable module-level function, for the forkserver)."""
     # The forkserver's environment is the launcher's at its start; values set per attempt come here.

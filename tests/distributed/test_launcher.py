@@ -203,3 +203,16 @@ def test_a_rank_failing_after_another_finished_ends_the_launch_instead_of_hangin
     assert time.time() - started < 60
     end = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
     assert end and "rank 0 failed after rank 1 had finished" in end[0]["reason"]
+
+
+def test_the_forkserver_does_not_outlive_the_launcher(tmp_path):
+    # It inherits the launcher's output: an orphan still tearing down held `lightning run | tee` open.
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello from', __name__)\n")
+    proc = subprocess.Popen([LIGHTNING, "run", "--devices", "1", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
+                             str(script)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.wait(timeout=120) == 0
+    exited = time.time()
+    output = proc.stdout.read().decode()  # EOF once every holder of the pipe has exited
+    assert time.time() - exited < 0.5
+    assert "hello from __main__" in output
