@@ -165,3 +165,16 @@ def test_buffers_are_kept_when_only_the_non_tensor_state_changes_shape():
     assert second.state["callbacks"] == {"costs": [0.5, 0.7], "new": "key"}
     third = stager.stage({"model": model.state_dict(), "extra": torch.zeros(3)})  # another tensor: rebuilt to fit
     assert torch.equal(third.state["extra"], torch.zeros(3)) and stager.nbytes == (64 * 64 + 64 + 3) * 4
+
+
+def test_pinned_staging_falls_back_when_shared_memory_is_too_small(tmp_path):
+    # CUDA stages into shared + pinned buffers; a container's small /dev/shm must not fail the save.
+    import shutil
+
+    from lightning_ett.checkpoint.staging import shared_memory_fits
+
+    free = shutil.disk_usage(tmp_path).free
+    assert shared_memory_fits(1024, where=str(tmp_path))
+    with pytest.warns(UserWarning, match="do not fit .* --shm-size"):
+        assert not shared_memory_fits(free * 2, where=str(tmp_path))
+    assert not shared_memory_fits(1024, where=str(tmp_path / "missing"))

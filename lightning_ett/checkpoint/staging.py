@@ -53,6 +53,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
+#: Where shared memory (``share_memory_``) lives on Linux.
+SHARED_MEMORY_DIR = "/dev/shm"
+
 
 def _leaves(obj: Any) -> Iterable[Any]:
     """The tensor leaves of a state (tensors, ShardedTensors, DTensors), in traversal order."""
@@ -236,6 +239,23 @@ class Snapshot:
         self._late = []  # the copies have landed and been checked: the sources may be freed
         return not self.changed_early
 
+def shared_memory_fits(nbytes: int, where: str = SHARED_MEMORY_DIR) -> bool:
+    """Whether ``nbytes`` of staging buffers fit in the shared-memory filesystem, with a 10 % margin."""
+    import shutil
+    import warnings
+
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return False
+    if nbytes * 1.1 <= free:
+        return True
+    warnings.warn(f"AsyncCheckpoint: {nbytes / 2**20:.0f} MiB of pinned staging buffers do not fit in {where} "
+                  f"({free / 2**20:.0f} MiB free); using the caching pinned allocator instead. In a container, "
+                  "raise it (docker --shm-size, a Kubernetes emptyDir with medium: Memory).", stacklevel=3)
+    return False
+
+
 class Stager:
     """One set of staging buffers, reused by every save (bounded memory: one snapshot at a time)."""
 
@@ -272,8 +292,11 @@ class Stager:
         self._buffers = None  # free the old buffers before allocating new ones
         # On CUDA: shared + pinned gives exact-size page-locked buffers (cudaHostRegister); pinned
         # alone would go through the caching host allocator, which rounds sizes up and keeps freed
-        # blocks, so the reported size would be wrong and release() would free nothing.
-        created = _create_cpu_state_dict(dict(enumerate(leaves)), pin_memory=pin_memory, share_memory=pin_memory)
+        # blocks, so the reported size would be wrong and release() would free nothing. Shared
+        # memory lives in /dev/shm, which containers often cap (64 MiB by default): where the
+        # buffers do not fit there, pinned alone it is, with a warning.
+        shared = pin_memory and shared_memory_fits(state_nbytes(leaves))
+        created = _create_cpu_state_dict(dict(enumerate(leaves)), pin_memory=pin_memory, share_memory=shared)
         self._buffers = [created[i] for i in range(len(leaves))]
         self._signature = signature
         self.nbytes = state_nbytes(self._buffers)
