@@ -36,8 +36,10 @@ def test_a_legacy_ledger_summarizes_to_the_same_numbers_and_reports(tmp_path, ca
     shutil.copytree(LEGACY / "run", run)
     then = json.loads((LEGACY / "run" / "ett_summary.json").read_text())
     now = summarize_run_dir(run).to_dict()
-    for key in ("ett_percent", "wall_s", "effective_s", "lost_s", "attempts", "completed", "outcome", "phases", "torn_records"):
+    for key in ("ett_percent", "wall_s", "effective_s", "lost_s", "attempts", "completed", "outcome", "torn_records"):
         assert now[key] == then[key], key
+    # Phases added since (trainer_init, logger_init, ...) are zero in a ledger that never recorded them.
+    assert {k: v for k, v in now["phases"].items() if v or k in then["phases"]} == then["phases"]
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out
     assert "ETT" in out and "rank 1 killed by SIGKILL" in " ".join(out.split())

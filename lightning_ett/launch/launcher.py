@@ -58,7 +58,13 @@ from lightning_ett.instrument.environment import (
     process_start_time,
     write_job_file,
 )
-from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, read_launcher_records, recorded_attempts
+from lightning_ett.instrument.ledger import (
+    LedgerWriter,
+    launcher_ledger_path,
+    read_launcher_records,
+    read_ledger,
+    recorded_attempts,
+)
 from lightning_ett.launch.wandb_service import WandbService
 
 WORKER_LOGS = "worker_logs"
@@ -185,9 +191,13 @@ class LaunchRecorder:
             self.writer.append({"kind": "failure", "attempt": self.attempt, "time": now, "rank": rank,
                                 "exitcode": exitcodes[rank], "reason": reason, "root_cause": rank == root})
 
+    def end_record(self, exitcode: int, reason: str) -> dict[str, Any]:
+        """The launch's ``end`` record, stamped now (the report is made from it before it is written)."""
+        return {"kind": "end", "time": time.time(), "exitcode": exitcode, "reason": reason,
+                "attempts": self.attempt - self.first_attempt + 1, "node_rank": self.opts.node_rank}
+
     def finished(self, exitcode: int, reason: str) -> None:
-        self.writer.append({"kind": "end", "time": time.time(), "exitcode": exitcode, "reason": reason,
-                            "attempts": self.attempt - self.first_attempt + 1, "node_rank": self.opts.node_rank})
+        self.writer.append(self.end_record(exitcode, reason))
         self.writer.close()
 
 
@@ -380,7 +390,7 @@ def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason
         stop_forkserver()
     if recorder.wandb_service is not None:
         recorder.wandb_service.stop()  # the runs' last records are written before the job ends
-    _print_report(opts, failed=reason if failed else None)
+    _print_report(opts, recorder.end_record(exitcode, reason), failed=failed)
     recorder.finished(exitcode, reason)
     return exitcode
 
@@ -390,21 +400,23 @@ def _root_cause(err: Any) -> str:
     return f"rank {rank} exit code {failure.exitcode}"
 
 
-def _print_report(opts: LaunchOptions, failed: str | None = None) -> None:
+def _print_report(opts: LaunchOptions, end: dict[str, Any], failed: bool) -> None:
+    """The job's report, made with ``end`` (the launcher's end record, written once the report is out)."""
     from rich.console import Console
     from rich.markup import escape
 
     console = Console()
     if failed:
-        Console(stderr=True).print(f"[bold red]lightning run: {escape(failed)}[/bold red]")
+        Console(stderr=True).print(f"[bold red]lightning run: {escape(end['reason'])}[/bold red]")
     if opts.node_rank != 0:
         console.print(f"[dim]ETT report: node 0 prints it; or run `lightning-ett report {opts.run_dir}`.[/dim]")
         return
     from lightning_ett.instrument.report import REPORT_PNG, write_report
-    from lightning_ett.instrument.summary import summarize_run_dir
+    from lightning_ett.instrument.summary import summarize
 
     try:
-        summary = summarize_run_dir(opts.run_dir, now=time.time())  # the launcher's end is written after
+        launcher = [*read_launcher_records(opts.run_dir), end]
+        summary = summarize(read_ledger(opts.run_dir), launcher=launcher)
         write_report(summary, opts.run_dir, console)
     except (FileNotFoundError, ValueError) as err:
         console.print(f"[yellow]No ETT report: {escape(str(err))}[/yellow]")
