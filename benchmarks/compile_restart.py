@@ -39,6 +39,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from benchmarks.spread import median_range
+
 ARMS = ("cold", "first restart", "second restart")
 
 
@@ -70,10 +73,6 @@ def one_job(model: str, tmp: Path, kill_step: int) -> dict[str, dict]:
     return {arm: {"s": steps[a][0] - started[a], **facts[a]} for a, arm in enumerate(ARMS)}
 
 
-def spread(xs: list[float], fmt: str) -> str:
-    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
-
-
 def report(model: str, rounds: list[dict[str, dict]]) -> None:
     print(f"\n{model}: seconds to the end of the first training step (median (min-max) of {len(rounds)} rounds)")
     print(f"  {'arm':<16}{'from':<28}{'seconds':>22}{'ratio to cold':>24}{'fx hit/miss':>13}{'aot hit/miss':>13}"
@@ -86,7 +85,7 @@ def report(model: str, rounds: list[dict[str, dict]]) -> None:
         def med(key: str) -> float:
             return statistics.median(x[key] for x in xs)  # noqa: B023 - used at once
 
-        print(f"  {arm:<16}{origin:<28}{spread([x['s'] for x in xs], '.2f'):>22}{spread(ratios, '.3f'):>24}"
+        print(f"  {arm:<16}{origin:<28}{median_range([x['s'] for x in xs], '.2f'):>22}{median_range(ratios, '.3f'):>24}"
               f"{med('compile/fx_cache_hits'):>7.0f}/{med('compile/fx_cache_misses'):<5.0f}"
               f"{med('compile/aot_cache_hits'):>7.0f}/{med('compile/aot_cache_misses'):<5.0f}"
               f"{med('compile/cpp_compiles'):>9.0f}{med('compile/cpp_compile_s'):>7.2f}")
@@ -104,7 +103,6 @@ def main() -> None:
         parser.error(f"--models {args.models!r}: expected a comma-separated subset of dlrm, mlp")
     if args.kill_step < 2 or args.rounds < 1:
         parser.error("--kill-step must be >= 2 (the cache saves its bundle after step 1) and --rounds >= 1")
-    sys.path.insert(0, str(HERE.parent))
     results: dict[str, list[dict[str, dict]]] = {m: [] for m in models}
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="compile-restart-") as d:

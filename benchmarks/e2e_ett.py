@@ -61,6 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import BIN, JOB, env, run_pack
+from benchmarks.spread import median_range
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path
 from lightning_ett.instrument.summary import Summary, summarize_run_dir
 
@@ -189,13 +190,6 @@ def user_round(tmp: Path, r: int, job: list[str], kill: str, expect_failure: boo
 
 
 # ---------------------------------------------------------------------------- printing
-def cell(values: list[float], fmt: str) -> str:
-    text = format(statistics.median(values), fmt)
-    if len(values) > 1:
-        text += f" ({min(values):{fmt}}-{max(values):{fmt}})"
-    return text
-
-
 def print_table(arms: dict[str, list[Result]], rounds: int) -> None:
     from lightning_ett.instrument.timeline import PHASE_NAMES
 
@@ -203,7 +197,7 @@ def print_table(arms: dict[str, list[Result]], rounds: int) -> None:
     width = max(22, *(len(n) + 2 for n in names), 14 + (18 if rounds > 1 else 0))
 
     def row(label: str, fn: Callable[[Result], float], fmt: str = ".2f") -> None:
-        print(f"{label:<34}" + "".join(f"{cell([fn(x) for x in arms[n]], fmt):>{width}}" for n in names))
+        print(f"{label:<34}" + "".join(f"{median_range([fn(x) for x in arms[n]], fmt):>{width}}" for n in names))
 
     print(f"{'seconds (mean over ranks)':<34}" + "".join(f"{n:>{width}}" for n in names))
     for phase in PHASE_NAMES:
@@ -223,7 +217,7 @@ def print_table(arms: dict[str, list[Result]], rounds: int) -> None:
                         ("probe", lambda x: x.probe_overhead_s)):
         # per round (arms of one round ran back to back), then the median over rounds
         ratios = {n: [over(x) / over(v) for x, v in zip(arms[n], base)] for n in names}
-        print(f"{'overhead / vanilla, ' + clock:<34}" + "".join(f"{cell(ratios[n], '.3f'):>{width}}" for n in names))
+        print(f"{'overhead / vanilla, ' + clock:<34}" + "".join(f"{median_range(ratios[n], '.3f'):>{width}}" for n in names))
     spread = " (min-max)" if rounds > 1 else ""
     print(f"(medians of {rounds} round(s){spread}; arms alternate their order from round to round; "
           f"effective = the ledger's `train` in both clocks)")

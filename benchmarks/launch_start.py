@@ -29,11 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import BIN, env
+from benchmarks.spread import median_range
 from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.summary import summarize
 from lightning_ett.instrument.timeline import PHASE_NAMES
@@ -83,11 +85,6 @@ def one_start(arm: str, work: Path, script_args: list[str]) -> tuple[dict[int, d
     return first_step(work / "run", t0), exited
 
 
-def cell(values: list[float], fmt: str = ".2f") -> str:
-    text = format(statistics.median(values), fmt)
-    return text + (f" ({min(values):{fmt}}-{max(values):{fmt}})" if len(values) > 1 else "")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -115,17 +112,21 @@ def main() -> None:
             print(f"round {r}: " + ", ".join(line), flush=True)
 
     width = 24
+
+    def row(label: str, values: Callable[[str], list[float]]) -> str:
+        return f"{label:<36}" + "".join(f"{median_range(values(a)):>{width}}" for a in ARMS)
+
     print(f"\n{'seconds, launcher start ->':<36}" + "".join(f"{a:>{width}}" for a in ARMS))
-    print(f"{'first step done, slowest rank':<36}" + "".join(f"{cell([x['total'] for x in slowest[a]]):>{width}}" for a in ARMS))
+    print(row("first step done, slowest rank", lambda a: [x["total"] for x in slowest[a]]))
     for rank in sorted(per_rank[ARMS[0]]):
-        print(f"{'  rank ' + str(rank):<36}" + "".join(f"{cell(per_rank[a].get(rank, [0.0])):>{width}}" for a in ARMS))
-    print(f"{'launcher exit (' + str(args.steps) + ' steps, info)':<36}" + "".join(f"{cell(exits[a]):>{width}}" for a in ARMS))
+        print(row(f"  rank {rank}", lambda a: per_rank[a].get(rank, [0.0])))  # noqa: B023 - used at once
+    print(row(f"launcher exit ({args.steps} steps, info)", lambda a: exits[a]))
     print("breakdown of the slowest rank (medians; phases as the ledger has them):")
     for phase in PHASE_NAMES:
         if max(x[phase] for a in ARMS for x in slowest[a]) >= 0.005:
-            print(f"{'  ' + phase:<36}" + "".join(f"{cell([x[phase] for x in slowest[a]]):>{width}}" for a in ARMS))
+            print(f"{'  ' + phase:<36}" + "".join(f"{median_range([x[phase] for x in slowest[a]]):>{width}}" for a in ARMS))
     ratios = [lr["total"] / tr["total"] for lr, tr in zip(slowest["lightning run"], slowest["torchrun"])]
-    print(f"{'ratio lightning run / torchrun':<36}{'':>{width}}{cell(ratios, '.3f'):>{width}}")
+    print(f"{'ratio lightning run / torchrun':<36}{'':>{width}}{median_range(ratios, '.3f'):>{width}}")
     verdict = "met" if statistics.median(ratios) <= 1.0 else "NOT met"
     print(f"(medians of {args.rounds} round(s), min-max in brackets, ratio per round; goal <= 1.0: {verdict})")
 
