@@ -10,10 +10,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.callbacks.loggers import log_to_loggers, share_wandb_run
+from lightning_ett.callbacks.loggers import log_breakdown, log_to_loggers, share_wandb_run
 from lightning_ett.callbacks.startup import StartupProbe
 from lightning_ett.durable.errors import explain
 from lightning_ett.instrument.compile_events import compile_tracker
@@ -238,8 +239,6 @@ class ETTMonitor(Callback):
             return
         summary = summarize_run_dir(self.run_dir, now=time.time())
         log_to_loggers(trainer, _metrics(summary.phases, summary.wall_s))
-        from lightning.pytorch.loggers import WandbLogger
-
         from lightning_ett.instrument.report import REPORT_PNG, write_report
 
         wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
@@ -248,8 +247,6 @@ class ETTMonitor(Callback):
         else:  # W&B shows the PNG; without a launcher, this is the report
             write_report(summary, self.run_dir, show=self.report_on_end and ENV_LAUNCHER not in os.environ)
         for logger in wandb_loggers:
-            from lightning_ett.callbacks.loggers import log_breakdown
-
             log_breakdown(logger.experiment, summary, self.run_dir / REPORT_PNG)
 
     @override

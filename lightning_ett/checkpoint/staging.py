@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -239,11 +241,9 @@ class Snapshot:
         self._late = []  # the copies have landed and been checked: the sources may be freed
         return not self.changed_early
 
+
 def shared_memory_fits(nbytes: int, where: str = SHARED_MEMORY_DIR) -> bool:
     """Whether ``nbytes`` of staging buffers fit in the shared-memory filesystem, with a 10 % margin."""
-    import shutil
-    import warnings
-
     try:
         free = shutil.disk_usage(where).free
     except OSError:

@@ -19,6 +19,7 @@ attempt resumes (W&B refuses an id still open in the service).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -32,8 +33,7 @@ class WandbService:
     """Starts W&B's service in the background; hands its address to each attempt's workers."""
 
     def __init__(self) -> None:
-        self._env: dict[str, str] = {}
-        self._started = False
+        self._env: dict[str, str] = {}  # the running service's address; empty when none runs
         self._thread = self._in_background(self._start)
 
     @staticmethod
@@ -52,9 +52,6 @@ class WandbService:
         self._start()
 
     def _start(self) -> None:
-        import os
-
-        self._env = {}
         try:
             import wandb
 
@@ -66,7 +63,6 @@ class WandbService:
         address = os.environ.get(ENV_WANDB_SERVICE)
         if address:
             self._env = {ENV_WANDB_SERVICE: address}
-            self._started = True
 
     def worker_env(self, timeout: float = 60.0) -> dict[str, str]:
         """``WANDB_SERVICE`` for the workers (empty if the service did not start in time)."""
@@ -79,8 +75,8 @@ class WandbService:
         self._stop()
 
     def _stop(self) -> None:
-        if self._started:
+        if self._env:
             import wandb
 
             wandb.teardown()
-            self._started = False
+            self._env = {}
