@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--num-embeddings", type=int, default=20_000)
     p.add_argument("--compile-cache", default=None, help="pack: CompileCache directory (default WORK/compile_cache)")
     p.add_argument("--resume", action="store_true", help="vanilla: restart from last.ckpt")
+    p.add_argument("--pg-timeout-s", type=float, default=None,
+                   help="vanilla: DDPStrategy(timeout=...) instead of Lightning's default 30 min (hang_recovery.py)")
     args = p.parse_args()
     work = Path(args.work)
 
@@ -50,7 +52,11 @@ def main() -> None:
         if args.publish:
             callbacks.append(ModelPublisher(work / "serving", submodule="model", metrics=["loss"]))
     else:
-        strategy = "ddp"
+        from datetime import timedelta
+
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(timeout=timedelta(seconds=args.pg_timeout_s)) if args.pg_timeout_s else "ddp"
         callbacks = [ETTMonitor(run_dir=work / "run", report_on_end=False),
                      ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=args.every, save_top_k=1,
                                      save_last="link")]  # one write per save

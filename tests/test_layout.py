@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "compile": {"durable", "instrument", "patching"},
     "checkpoint": {"durable", "instrument", "patching"},
     "publish": {"durable", "instrument", "checkpoint"},
-    "launch": {"durable", "instrument"},
+    "watch": {"durable", "instrument"},
+    "launch": {"durable", "instrument", "watch"},
     "strategies": {"durable", "instrument", "patching", "checkpoint"},
-    "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "launch"},
+    "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "launch", "watch"},
 }
 #: Third-party packages the instrument must not import (``lightning-ett report`` runs without them).
 HEAVY = ("lightning", "torchrec", "wandb", "torch", "fbgemm_gpu")

@@ -25,7 +25,8 @@ from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWrit
 from lightning_ett.durable.commit import remove_stale
 from lightning_ett.durable.errors import explain
 from lightning_ett.durable.files import writable_dir_error
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
+from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUseError, OwnerLock
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, resolve_job_context
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -187,6 +188,7 @@ class AsyncCheckpoint(Checkpoint):
         self._patches = Patches()
         self._crashed = False
         self._group: Any | None = None
+        self._owner: OwnerLock | None = None  # rank 0, during fit: this job owns dirpath
         self._listeners: list[CheckpointListener] = []
         # cadence: measured on every rank; rank 0 decides, every rank saves at the step it decided
         self.cadence = CadenceTracker(max_interval_s=60 * self.max_interval_minutes)
@@ -213,6 +215,7 @@ class AsyncCheckpoint(Checkpoint):
         self.dirpath = self.dirpath.absolute()
         self._agree_or_raise(trainer, writable_dir_error(self.dirpath, "AsyncCheckpoint(dirpath", trainer.global_rank),
                              "could not write to its dirpath")
+        self._own_directory(trainer)  # before anything in it is cleaned up or resumed from
         cleanup_error = self._clean_up_after_a_crash() if trainer.is_global_zero else None
         self._agree_or_raise(trainer, cleanup_error, "could not clean up its dirpath")
         group = None
@@ -231,6 +234,30 @@ class AsyncCheckpoint(Checkpoint):
         if self.resume:
             self._patch_resume(trainer)
         trainer.strategy.barrier("AsyncCheckpoint.setup")  # stale .tmp directories are gone everywhere
+
+    def _own_directory(self, trainer: pl.Trainer) -> None:
+        """One live job per dirpath: rank 0 takes its lock (``.ett-owner``); if it cannot, every rank raises.
+
+        Two jobs writing one directory would resume from and overwrite each other's checkpoints.
+        This job's previous attempt (an earlier attempt number of the same job id) is taken over
+        quietly; an owner that is gone, with a warning (:mod:`lightning_ett.durable.ownership`).
+        """
+        refusal: str | None = None
+        if trainer.is_global_zero and self._owner is None:
+            job = resolve_job_context(export=False)
+            owner = OwnerLock(self.dirpath, CHECKPOINT_OWNER_FILE, job.job_id, job.attempt,
+                              what=f"AsyncCheckpoint(dirpath={str(self.dirpath)!r})",
+                              fix="Stop that job first, or give this one a dirpath of its own (to start from the other's "
+                              "weights, pass one of its checkpoints as fit(ckpt_path=...)).",
+                              earlier_attempts_are_stopped=True, on_takeover=rank_zero_warn)
+            try:
+                owner.acquire()
+                self._owner = owner
+            except DirectoryInUseError as err:
+                refusal = str(err)
+        refusal = trainer.strategy.broadcast(refusal, src=0)
+        if refusal:
+            raise DirectoryInUseError(refusal)
 
     def _clean_up_after_a_crash(self) -> OSError | None:
         """Rank 0: settle what a crashed attempt left (``.tmp``, ``.deleting``, ``.replaced``) and its publisher's pins."""
@@ -575,6 +602,9 @@ class AsyncCheckpoint(Checkpoint):
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+        if self._owner is not None:  # the writer is closed: nothing more goes into dirpath
+            self._owner.release()
+            self._owner = None
 
     # ------------------------------------------------------------------ state
     @override

@@ -64,6 +64,16 @@ def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
+def health_metrics(summary: Summary) -> dict[str, float]:
+    """The job's step-time health and straggler verdict as ``ett/*`` numbers (``ett/straggler_rank`` -1: none)."""
+    metrics = {f"ett/{name}": float(value) for name, value in summary.step_health.items()
+               if name not in ("steps", "clean_steps") and value is not None}
+    stragglers = summary.stragglers
+    if stragglers is not None:
+        metrics["ett/straggler_rank"] = float(stragglers["straggler"] if stragglers["straggler"] is not None else -1)
+    return metrics
+
+
 def log_breakdown(experiment: Any, summary: Summary, png: Path | None) -> None:
     import wandb
 
@@ -78,8 +88,14 @@ def log_breakdown(experiment: Any, summary: Summary, png: Path | None) -> None:
     }
     if png is not None and png.exists():
         payload["ett/timeline"] = wandb.Image(str(png))
+    stragglers = summary.stragglers
+    if stragglers is not None:  # the last window's score of every rank, and how often each was named
+        named = stragglers["named"]
+        payload["ett/straggler_table"] = wandb.Table(
+            columns=["rank", "score_s", "windows_named"],
+            data=[[int(rank), score, named.get(rank, 0)] for rank, score in stragglers["latest"]["scores"].items()])
     experiment.log(payload)
     final = {f"ett/{phase}_s": seconds for phase, seconds in summary.phases.items()}
     final.update({"ett/percent": summary.ett_percent, "ett/wall_s": summary.wall_s, "ett/effective_s": summary.effective_s,
-                  "ett/lost_s": summary.lost_s, "ett/attempts": len(summary.attempts)})
+                  "ett/lost_s": summary.lost_s, "ett/attempts": len(summary.attempts), **health_metrics(summary)})
     experiment.summary.update(final)  # the job's figures, across every attempt

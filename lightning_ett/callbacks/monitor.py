@@ -14,11 +14,13 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.callbacks.loggers import log_breakdown, log_to_loggers, share_wandb_run
+from lightning_ett.callbacks.loggers import health_metrics, log_breakdown, log_to_loggers, share_wandb_run
 from lightning_ett.callbacks.startup import StartupProbe
+from lightning_ett.callbacks.stragglers import StragglerProbe
 from lightning_ett.durable.errors import explain
 from lightning_ett.instrument.compile_events import compile_tracker
 from lightning_ett.instrument.environment import (
+    ENV_HANG_WATCH,
     ENV_LAUNCHER,
     ENV_RUN_DIR,
     JobContext,
@@ -27,9 +29,20 @@ from lightning_ett.instrument.environment import (
     write_job_file,
 )
 from lightning_ett.instrument.ledger import read_ledger
+from lightning_ett.instrument.step_health import RollingETT, StepHealth
 from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
 from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline, record_phase
-from lightning_ett.launch.faults import faults_from_env, maybe_fail_randomly, maybe_kill, random_failures_from_env
+from lightning_ett.launch.faults import (
+    faults_from_env,
+    hang_collective_group,
+    hang_faults_from_env,
+    maybe_fail_randomly,
+    maybe_hang,
+    maybe_kill,
+    random_failures_from_env,
+    slow_fault_from_env,
+)
+from lightning_ett.launch.lifeline import hold_on_to_launcher
 from lightning_ett.patching import Patches
 
 
@@ -54,6 +67,10 @@ class ETTMonitor(Callback):
       ``trainer.save_checkpoint`` and ``strategy.load_checkpoint``) nested inside it are not.
     * ``shutdown``: end of training → process exit.
     * ``other``: time no component claimed (the user's code between ``Trainer()`` and ``fit``).
+    * ``hang`` (under ``lightning run``): a hung attempt, from each rank's last progress to the kill.
+
+    Under ``lightning run`` the monitor also writes a ``begin`` record when a phase starts and
+    dumps its stacks on SIGUSR2, for the launcher's hang watch (:mod:`lightning_ett.launch.hang_response`).
 
     Every attempt of the job writes into one W&B run (the job's id, resumed), and ``ett/*`` is
     logged only at steps past those earlier attempts logged, so its charts never step back.
@@ -68,9 +85,21 @@ class ETTMonitor(Callback):
             ``ett/<phase>_s`` to every attached logger; the final values are logged at the end.
         report_on_end: print the rich table at the end of ``fit`` (under ``lightning run`` the launcher prints it
             for the whole job instead).
+        straggler_every_n_steps: every N training batches the ranks all-gather their per-batch timestamps (one
+            tiny collective) to find the rank the others wait for (:mod:`lightning_ett.watch.stragglers`);
+            0, or a single rank, disables it.
+        straggler_threshold: a rank is named a straggler when the others wait for it more than this fraction of
+            the ideal step time per step (never under 2 ms); the monitor warns after 2 windows in a row.
+
+    Rank zero also logs step-time health with the ``ett/*`` figures: ``ett/ideal_step_s`` (median of recent
+    steps with no checkpoint write, evaluation or compile in them), ``ett/step_time_deviation`` (their recent
+    p90 minus it), ``ett/interval_percent_{5m,15m,60m}`` (ETT% over the last W minutes) and, with several
+    ranks, ``ett/straggler_rank`` (-1: none) and ``ett/straggler_score_s``.
     """
 
-    def __init__(self, run_dir: str | Path | None = None, log_every_n_steps: int = 50, report_on_end: bool = True) -> None:
+    def __init__(self, run_dir: str | Path | None = None, log_every_n_steps: int = 50, report_on_end: bool = True,
+                 straggler_every_n_steps: int = 25, straggler_threshold: float = 0.1) -> None:
+        _check_straggler_args(straggler_every_n_steps, straggler_threshold)
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
             raise ValueError(f"ETTMonitor(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1, e.g. 50.")
         if run_dir is not None and not isinstance(run_dir, (str, Path)):
@@ -86,8 +115,21 @@ class ETTMonitor(Callback):
                 f"({launched_into!r}): the job's report will not see this ledger. Leave `run_dir` unset under `lightning run`."
             )
         self.context: JobContext = resolve_job_context(run_dir)
+        hold_on_to_launcher()  # `--no-preload` workers die with `lightning run` too (no-op elsewhere)
         self._faults = faults_from_env()  # the documented fault-injection switches (lightning_ett.launch.faults)
         self._random_failures = random_failures_from_env()
+        self._hang_faults = hang_faults_from_env()
+        self._hang_group: Any = None  # the side group an injected collective hang blocks on
+        self._stragglers = StragglerProbe(straggler_every_n_steps, straggler_threshold, slow_fault_from_env())
+        self._health = StepHealth()  # this rank's steps; rank zero's are logged
+        self._rolling: RollingETT | None = None  # rank zero: ETT% over the last 5/15/60 minutes
+        self._step_records = 0  # Timeline.recorded when the current step began
+        self._last_step: tuple[float, int] | None = None  # (duration, records at its start): judged at the next start
+        if os.environ.get(ENV_HANG_WATCH):  # `lightning run` watches this rank's ledger for hangs
+            from lightning_ett.watch.stacks import register_dump_signal
+
+            register_dump_signal()
+            self._timeline.announce = True
         self._mark = time.time()
         self._step_start: float | None = None
         self._training_began = time.time()  # this attempt's first training batch (set then)
@@ -105,6 +147,7 @@ class ETTMonitor(Callback):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_startup", None)  # waits for this process's Trainer; a copy elsewhere has none to time
+        state["_hang_group"] = None  # a process group does not travel
         return state
 
     def _name_wandb_run(self, loggers: list[Any]) -> None:
@@ -134,9 +177,13 @@ class ETTMonitor(Callback):
         if trainer.is_global_zero:
             write_job_file(ctx.run_dir, ctx.job_id, ctx.job_start)
         self._mark = time.time()
+        self._timeline.begin(Phase.MODEL_INIT)
+        if self._hang_faults.in_collective:
+            self._hang_group = hang_collective_group()  # a collective: every rank makes it
         compile_tracker()  # compilations become `compile` events, nested in the step that triggered them
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
+        self._stragglers.setup(trainer, pl_module, self._patches)
 
     def _wrap(self, owner: Any, name: str, phase: Phase) -> None:
         """Time a method Lightning calls but announces with no 'after' hook."""
@@ -150,6 +197,17 @@ class ETTMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._mark = self._close(Phase.MODEL_INIT, self._mark)
+        self._timeline.begin(Phase.DATA_INIT)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timeline.begin(Phase.DATA_INIT)  # the epoch's data loader starts (workers spawn) before its first batch
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # For the hang watch: epoch-end hooks (the module's run after this) and the next epoch's loader
+        # start are an epoch boundary, with its generous timeout, until the next step begins.
+        self._timeline.begin(Phase.DATA_INIT)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -159,6 +217,11 @@ class ETTMonitor(Callback):
             if self._prior is not None:  # a restart re-runs steps: their ett/* rows are out already
                 last = [a.last_step for a in self._prior.attempts if a.last_step is not None]
                 self._logged_step = max([self._logged_step, *last])
+            if self._rolling is None:  # kept across fits of one process, as the timeline's totals are
+                self._rolling = RollingETT(self._job_start())
+                self._rolling.seed(self._prior.segments.get(0, []) if self._prior is not None else [])
+        self._stragglers.on_train_start(trainer, pl_module)
+        self._last_step = None
 
     def _summarize_prior_attempts(self, resume_step: int) -> Summary | None:
         """Rank zero's view of earlier attempts, for the live ETT% (read once per attempt)."""
@@ -170,24 +233,41 @@ class ETTMonitor(Callback):
     # ------------------------------------------------------------------ training
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._stragglers.on_batch_start(trainer, self._health)  # stamps `ready` first
         if self._step_start is None:
             self._step_start = self._training_began = self._close(Phase.DATA_INIT, self._mark)
+        if self._last_step is not None:  # clean: nothing but its own event was recorded since it began
+            seconds, records = self._last_step
+            self._health.add(seconds, clean=self._timeline.recorded - records == 1)
+            self._last_step = None
+        self._step_records = self._timeline.recorded
         self._batch_step = trainer.global_step
+        self._timeline.begin(Phase.TRAIN, self._batch_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         assert self._step_start is not None
-        self._step_start = self._close(Phase.TRAIN, self._step_start, self._batch_step)
+        began, self._step_start = self._step_start, self._close(Phase.TRAIN, self._step_start, self._batch_step)
+        # Judged at the next batch's start: a component may still record into this step (AsyncCheckpoint's carve).
+        self._last_step = (self._step_start - began, self._step_records)
+        if self._rolling is not None:
+            self._rolling.observe(self._step_start, self._train_s())
         step = trainer.global_step
         if self._faults:
             maybe_kill(self._faults, trainer.global_rank, step, self.context.attempt)
+        if self._hang_faults:
+            maybe_hang(self._hang_faults, trainer.global_rank, step, self.context.attempt, self._hang_group)
         if self._random_failures is not None:
             maybe_fail_randomly(self._random_failures, trainer.global_rank, trainer.world_size, self.context.attempt,
                                 time.time() - self._training_began)
         if trainer.is_global_zero and step % self.log_every_n_steps == 0 and step > self._logged_step and trainer.loggers:
             self._logged_step = step  # once per optimizer step, also under gradient accumulation
             log_to_loggers(trainer, self.live_metrics())
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._stragglers.on_before_backward()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -201,6 +281,7 @@ class ETTMonitor(Callback):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_start = time.time()
+        self._timeline.begin(Phase.EVAL)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -230,7 +311,21 @@ class ETTMonitor(Callback):
                 seconds[phase] += value
         for phase, value in self._timeline.exclusive_s.items():
             seconds[phase] += value
-        return _metrics(seconds, wall=max(time.time() - job_start, 1e-9))
+        now = time.time()
+        metrics = _metrics(seconds, wall=max(now - job_start, 1e-9))
+        metrics.update(self._health.metrics())
+        if self._rolling is not None:
+            metrics.update(self._rolling.metrics(now, seconds[Phase.TRAIN.value]))
+        metrics.update(self._stragglers.metrics())
+        return metrics
+
+    def _job_start(self) -> float:
+        return self.context.job_start if self._prior is None else min(self.context.job_start, self._prior.job_start)
+
+    def _train_s(self) -> float:
+        """Train seconds of the job so far on this rank: earlier attempts (rank zero's ledger) and this process."""
+        prior = self._prior.phases.get(Phase.TRAIN.value, 0.0) if self._prior is not None else 0.0
+        return prior + self._timeline.exclusive_s.get(Phase.TRAIN.value, 0.0)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -238,7 +333,7 @@ class ETTMonitor(Callback):
         if stage != "fit" or not trainer.is_global_zero:
             return
         summary = summarize_run_dir(self.run_dir, now=time.time())
-        log_to_loggers(trainer, _metrics(summary.phases, summary.wall_s))
+        log_to_loggers(trainer, {**_metrics(summary.phases, summary.wall_s), **health_metrics(summary)})
         from lightning_ett.instrument.report import REPORT_PNG, write_report
 
         wandb_loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
@@ -274,6 +369,16 @@ class ETTMonitor(Callback):
                 "and lost steps are not counted here; pass that run_dir to ETTMonitor (or set "
                 "LIGHTNING_ETT_RUN_DIR) to count the restart as another attempt of the same job."
             )
+
+
+def _check_straggler_args(every_n_steps: Any, threshold: Any) -> None:
+    if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 0:
+        raise ValueError(f"ETTMonitor(straggler_every_n_steps={every_n_steps!r}): expected an int >= 0, e.g. 25 "
+                         "(0 disables the straggler diagnosis).")
+    if (not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not threshold > 0
+            or threshold == float("inf")):
+        raise ValueError(f"ETTMonitor(straggler_threshold={threshold!r}): expected a number > 0, the fraction of the "
+                         "ideal step time the others must wait for one rank per step to name it, e.g. 0.1 (10%).")
 
 
 def _metrics(seconds: dict[str, float], wall: float) -> dict[str, float]:

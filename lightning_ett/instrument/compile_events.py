@@ -34,6 +34,7 @@ class CompileTracker:
     def on_start(self, args: object) -> None:
         with self._lock:
             self._open[_key(args)] = time.time()
+        get_timeline().begin(Phase.COMPILE)  # a long compile is not a hung step
 
     def on_end(self, args: object) -> None:
         end = time.time()

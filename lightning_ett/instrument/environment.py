@@ -26,6 +26,10 @@ ENV_ATTEMPT_START = "LIGHTNING_ETT_ATTEMPT_START"
 ENV_EXPORTED_BY = "LIGHTNING_ETT_EXPORTED_BY"
 #: Set by ``lightning run`` for its workers: the launcher owns the job-level report.
 ENV_LAUNCHER = "LIGHTNING_ETT_LAUNCHER"
+#: Set by ``lightning run`` when its hang watch reads the ledgers: ranks announce phase starts.
+ENV_HANG_WATCH = "LIGHTNING_ETT_HANG_WATCH"
+#: Set by ``lightning run``: its pid. Its forkserver and workers die with it (:mod:`lightning_ett.launch.lifeline`).
+ENV_LAUNCHER_PID = "LIGHTNING_ETT_LAUNCHER_PID"
 JOB_FILE = "job.json"
 
 DEFAULT_RUNS_ROOT = "ett_runs"

@@ -110,6 +110,8 @@ def _valid_record(record: dict[str, Any], phases: frozenset[str]) -> bool:
         return isinstance(record.get("status"), str) and isinstance(record.get("reason", ""), str)
     if kind == "fact":
         return isinstance(record.get("name"), str) and _number(record.get("time", 0.0))
+    if kind == "begin":  # for the hang watch (Timeline.begin); not time
+        return record.get("phase") in phases and _number(record.get("time"))
     return False
 
 

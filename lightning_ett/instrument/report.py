@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_ett.durable.files import atomic_write_bytes
+from lightning_ett.instrument.straggler_facts import straggler_line
 from lightning_ett.instrument.summary import Summary
 from lightning_ett.instrument.timeline import CADENCE_FACT, LOST, PHASE_NAMES, PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase
 
@@ -37,6 +38,7 @@ PHASE_COLORS: dict[str, str] = {
     Phase.EVAL.value: "#7986cb",
     Phase.PUBLISH.value: "#4db6ac",
     Phase.REPEATED.value: "#f06292",
+    Phase.HANG.value: "#b71c1c",
     Phase.SHUTDOWN.value: "#616161",
     Phase.OTHER.value: "#e0e0e0",
     LOST: "#e53935",
@@ -85,7 +87,7 @@ def render_attempts(summary: Summary) -> Table:
 
 
 def fact_lines(summary: Summary) -> list[str]:
-    """What the components stated about the job (Timeline.fact), in words: cadence, publishing.
+    """What the components stated about the job (Timeline.fact), in words: cadence, publishing, stragglers.
 
     A fact with missing or mistyped fields (a hand-edited or foreign ledger) is left out.
     """
@@ -114,6 +116,9 @@ def _fact_lines(summary: Summary) -> list[str]:
         if errors:
             line += f"; {len(errors)} publish error(s), last at step {errors[-1].get('step')}: {errors[-1].get('error')}"
         lines.append(line)
+    straggler = straggler_line(summary.stragglers)
+    if straggler:
+        lines.append(straggler)
     return lines
 
 

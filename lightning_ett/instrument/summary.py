@@ -14,6 +14,8 @@ Rules (also in the README's "How ETT% is measured"):
 * Job-level phase seconds are the mean over ranks, so they add up to the wall time.
 * Under ``lightning run`` the launcher's records widen the wall time to its own start and
   end, and say why each failed attempt ended.
+* A hang the launcher stopped is ``hang`` on each of its node's ranks, from the rank's last
+  progress to the kill: what waiting for the hang cost.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 
 from lightning_ett.durable.files import atomic_write_json
 from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger
-from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase
+from lightning_ett.instrument.step_health import step_health_summary
+from lightning_ett.instrument.straggler_facts import straggler_digest
+from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, STRAGGLER_FACT, Phase
 
 SUMMARY_FILE = "ett_summary.json"
 
@@ -62,9 +66,15 @@ class Summary:
     torn_records: int = 0
     outcome: str | None = None  # the launcher's last word: "finished", "gave up after ...", ...
     facts: list[dict[str, Any]] = field(default_factory=list)  # Timeline.fact records of every rank, by time
+    step_health: dict[str, Any] = field(default_factory=dict)  # see lightning_ett.instrument.step_health
 
     def facts_named(self, name: str) -> list[dict[str, Any]]:
         return [f for f in self.facts if f.get("name") == name]
+
+    @property
+    def stragglers(self) -> dict[str, Any] | None:
+        """The straggler diagnosis (a digest of its per-window facts); ``None`` when none ran."""
+        return straggler_digest(self.facts_named(STRAGGLER_FACT))
 
     @property
     def wall_s(self) -> float:
@@ -101,7 +111,9 @@ class Summary:
             "attempt_details": [vars(a) for a in self.attempts],
             "torn_records": self.torn_records,
             "outcome": self.outcome,
-            "facts": self.facts,
+            "facts": [f for f in self.facts if f.get("name") != STRAGGLER_FACT],  # one per window: digested below
+            "stragglers": self.stragglers,
+            "step_health": self.step_health,
         }
 
     def write_json(self, run_dir: str | os.PathLike) -> Path:
@@ -155,14 +167,34 @@ def _innermost(events: list[tuple[str, float, float]]) -> list[Segment]:
     return segments
 
 
+def _hang_events(launcher: list[dict[str, Any]]) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
+    """``(attempt, rank) -> [("hang", last progress, kill)]`` from the launcher's hang verdicts."""
+    found: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
+    for record in launcher:
+        hang = record.get("hang")
+        if record.get("kind") != "failure" or not isinstance(hang, dict):
+            continue
+        try:
+            stopped = float(hang["stopped"])
+            for rank, since in dict(hang["since"]).items():
+                if float(since) < stopped:
+                    found.setdefault((int(record["attempt"]), int(rank)), []).append(
+                        (Phase.HANG.value, float(since), stopped))
+        except (KeyError, TypeError, ValueError):
+            continue  # a hand-edited record: its time stays where the ranks' ledgers put it
+    return found
+
+
 def _rank_segments(
-    ledgers: list[RankLedger], resume: dict[int, int], job_start: float, job_end: float
+    ledgers: list[RankLedger], resume: dict[int, int], job_start: float, job_end: float,
+    extra: dict[tuple[int, int], list[tuple[str, float, float]]] | None = None,
 ) -> list[Segment]:
     segments: list[Segment] = []
     cursor = job_start
     for ledger in sorted(ledgers, key=lambda lg: lg.attempt):
         cutoff = resume.get(ledger.attempt)
-        events = []
+        events = [(p, max(s, cursor), e) for p, s, e in (extra or {}).get((ledger.attempt, ledger.rank), [])
+                  if e > max(s, cursor)]
         for e in ledger.events:
             start, end = max(e["start"], cursor), e["end"]
             if end <= start:
@@ -209,7 +241,8 @@ def summarize(
     by_rank: dict[int, list[RankLedger]] = {}
     for ledger in ledgers:
         by_rank.setdefault(ledger.rank, []).append(ledger)
-    segments = {rank: _rank_segments(lgs, resume, job_start, job_end) for rank, lgs in sorted(by_rank.items())}
+    hangs = _hang_events(launcher)
+    segments = {rank: _rank_segments(lgs, resume, job_start, job_end, hangs) for rank, lgs in sorted(by_rank.items())}
     per_rank: dict[int, dict[str, float]] = {}
     for rank, segs in segments.items():
         totals = dict.fromkeys(PHASE_NAMES, 0.0)
@@ -222,8 +255,10 @@ def summarize(
     ends_said = [r for r in launcher if r.get("kind") == "end"]
     outcome = ends_said[-1].get("reason") if ends_said else None
     facts = sorted((f for lg in ledgers for f in lg.facts), key=lambda f: f.get("time", 0.0))
+    first_rank = [lg for lg in ledgers if lg.rank == min(by_rank)]  # rank 0's steps, as the live figures
+    health = step_health_summary((e for lg in first_rank for e in lg.events), segments, job_start, job_end)
     return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
-                   sum(lg.torn_lines for lg in ledgers), outcome, facts)
+                   sum(lg.torn_lines for lg in ledgers), outcome, facts, health)
 
 
 def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
@@ -249,8 +284,12 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
     for attempt in sorted({lg.attempt for lg in ledgers} | set(started)):
         group = [lg for lg in ledgers if lg.attempt == attempt and lg.events]
         said = failures.get(attempt, [])
+        if any("hang" in r and not r["hang"].get("ambiguous") for r in said):
+            # Several nodes' watches each named a rank: the ones with evidence outrank the guesses.
+            said = [r for r in said if not ("hang" in r and r["hang"].get("ambiguous"))]
         if said:
-            failure = "; ".join(f"rank {r['rank']} {r['reason']}" for r in said if r.get("root_cause", True))
+            failure = "; ".join(r["reason"] if "hang" in r else f"rank {r['rank']} {r['reason']}"
+                                for r in said if r.get("root_cause", True))
         else:
             failure = "; ".join(f"rank {lg.rank} {lg.reason}" for lg in group if lg.status == "failed" and lg.reason) or None
         if not group:

@@ -48,6 +48,7 @@ class Phase(str, Enum):
     EVAL = "eval"
     PUBLISH = "publish"
     REPEATED = "repeated"
+    HANG = "hang"
     SHUTDOWN = "shutdown"
     OTHER = "other"
 
@@ -70,6 +71,7 @@ PHASE_NAMES: tuple[str, ...] = tuple(p.value for p in Phase) + (LOST,)
 CADENCE_FACT = "checkpoint_cadence"  # AsyncCheckpoint's interval and what it came from
 PUBLISH_FACT = "publish"  # a version ModelPublisher published
 PUBLISH_ERROR_FACT = "publish_error"  # a publish that failed
+STRAGGLER_FACT = "straggler"  # one window of the straggler diagnosis (lightning_ett.watch.stragglers)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class Timeline:
         self.shutdown_from: float | None = None
         #: Whether the ``import`` phase of this process was recorded (once per process).
         self.import_recorded = False
+        #: Whether :meth:`begin` writes: set when a hang watch reads this ledger (``lightning run``).
+        self.announce = False
+        #: Events recorded so far: a step in which this grew by more than its own event had others nested in it.
+        self.recorded = 0
 
     def bind(self, run_dir: Path, rank: int, attempt: int, header: dict[str, Any]) -> Path:
         """Start writing this rank's ledger; flush events recorded before the bind."""
@@ -141,6 +147,7 @@ class Timeline:
         event = Event(name, start, end, self.rank, self.attempt, step)
         with self._lock:
             self._account(event)
+            self.recorded += 1
             if self._writer is None:
                 self._pending.append(event)
             else:
@@ -177,6 +184,22 @@ class Timeline:
         if last is None or last[2] != Phase.parse(within).value or seconds <= 0:
             return None
         return self.record(phase, max(last[0], last[1] - seconds), last[1], step)
+
+    def begin(self, phase: str | Phase, step: int | None = None) -> None:
+        """Say that ``phase`` starts now, for a hang watch that must know what a silent rank is doing.
+
+        Events are written when they end; a rank stuck inside one would otherwise look like a rank
+        stuck in whatever it did before. A ``begin`` record is not time (the summary skips it). Written
+        only while :attr:`announce` is set and the ledger is bound.
+        """
+        if not self.announce or self._writer is None:
+            return
+        record: dict[str, Any] = {"kind": "begin", "phase": Phase.parse(phase).value, "time": time.time()}
+        if step is not None:
+            record["step"] = step
+        with self._lock:
+            if self._writer is not None:
+                self._writer.append(record)
 
     def amend_header(self, **fields: Any) -> None:
         """Add facts learned after :meth:`bind` to this rank's ledger header."""
@@ -248,6 +271,7 @@ class record_phase:
         self._start: list[float] = []
 
     def __enter__(self) -> Self:
+        get_timeline().begin(self.phase, self.step)
         self._start.append(time.time())
         return self
 

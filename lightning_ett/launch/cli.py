@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 from rich.console import Console
 
 if TYPE_CHECKING:
+    from lightning_ett.launch.hang_response import HangOptions
     from lightning_ett.launch.launcher import LaunchOptions
 
 
@@ -103,6 +104,23 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="Start each worker as a fresh `python SCRIPT` instead of forking it from a server that "
                      "imported torch, Lightning and TorchRec once per node.")
+    hang = run.add_argument_group("hang watch", "A rank alive but silent for longer than its phase's timeout is hung: "
+                                  "its stacks are dumped into the worker logs, the rank is named, and the group is "
+                                  "stopped and restarted (counted against --max-restarts).")
+    hang.add_argument("--hang-timeout", "--hang_timeout", action="append", default=[], metavar="PHASE=SECONDS",
+                      help="Seconds of silence before a rank in PHASE counts as hung (repeatable). PHASE: startup "
+                      "(before the first steps; 900), train (the floor under step-factor x median step; 15), compile "
+                      "(1800), checkpoint_load (900), checkpoint_save (900), eval (1800), data_init (900), "
+                      "shutdown (600).")
+    hang.add_argument("--hang-step-factor", "--hang_step_factor", type=float, default=None, metavar="X",
+                      help="A training step may take X times the rank's median step time before it counts as "
+                      "hung (default 10; never less than the train timeout).")
+    hang.add_argument("--hang-grace", "--hang_grace", type=float, default=None, metavar="SECONDS",
+                      help="Between SIGTERM and SIGKILL when a hung group is stopped (default 1: a hung rank "
+                      "rarely exits on SIGTERM, and nothing needs the wait: checkpoints commit atomically, W&B "
+                      "records live in the launcher's service).")
+    hang.add_argument("--no-hang-watch", dest="hang_watch", action="store_false", default=True,
+                      help="Do not watch for hangs (a hung job then waits for its process-group timeout).")
     run.add_argument("script", metavar="SCRIPT", help="The training script.")
     run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS", help="Arguments for SCRIPT.")
     run.set_defaults(func=_run)
@@ -161,11 +179,50 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
     path = Path(run_dir or Path(DEFAULT_RUNS_ROOT) / job_id).expanduser().absolute()
     if writable_dir_error(path, "--run-dir") is not None:
         raise ValueError(f"--run-dir {str(path)!r} is not writable: pass a directory this job can create files in.")
+    hang = _hang_options(args)
+    _check_fault_switches()
     return LaunchOptions(
-        script=str(script), script_args=tuple(args.script_args), devices=args.devices, num_nodes=args.num_nodes,
+        hang=hang, script=str(script), script_args=tuple(args.script_args), devices=args.devices, num_nodes=args.num_nodes,
         node_rank=args.node_rank, main_address=address or "127.0.0.1", main_port=port,
         max_restarts=args.max_restarts, run_dir=path, job_id=job_id, preload=args.preload,
     )
+
+
+def _check_fault_switches() -> None:
+    """A malformed ``LIGHTNING_ETT_FAULT_*`` fails here, before any worker starts (the error names the variable)."""
+    from lightning_ett.launch import faults
+
+    faults.faults_from_env()
+    faults.random_failures_from_env()
+    faults.hang_faults_from_env()
+    faults.slow_fault_from_env()
+
+
+def _hang_options(args: argparse.Namespace) -> HangOptions:
+    """``--hang-*`` flags as :class:`HangOptions`; a bad value names its flag and the expected form."""
+    from lightning_ett.launch.hang_response import HangOptions
+    from lightning_ett.watch.hang import HangTimeouts
+
+    timeouts: dict[str, float] = {}
+    phases = HangTimeouts.phases()
+    for item in args.hang_timeout:
+        phase, sep, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or phase not in phases or not seconds > 0:
+            raise ValueError(f"--hang-timeout {item!r}: expected PHASE=SECONDS with SECONDS > 0 and PHASE one of "
+                             f"{', '.join(phases)}; e.g. --hang-timeout train=60.")
+        timeouts[phase] = seconds
+    if args.hang_step_factor is not None:
+        if not args.hang_step_factor > 0:
+            raise ValueError(f"--hang-step-factor {args.hang_step_factor!r}: expected a number > 0, e.g. 10.")
+        timeouts["step_factor"] = args.hang_step_factor
+    grace = 1.0 if args.hang_grace is None else args.hang_grace
+    if not grace >= 0:
+        raise ValueError(f"--hang-grace {args.hang_grace!r}: expected seconds >= 0, e.g. 1.")
+    return HangOptions(timeouts=HangTimeouts(**timeouts), grace_s=grace, enabled=args.hang_watch)
 
 
 def build_parser(prog: str = "lightning-ett") -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Fault injection for tests and benchmarks: kill a chosen rank at a chosen step of an attempt.
+"""Fault injection for tests and benchmarks: kill, hang or slow a chosen rank.
 
 ``LIGHTNING_ETT_FAULT_KILL="RANK:STEP[:ATTEMPT][,...]"`` makes :class:`~lightning_ett.ETTMonitor`
 SIGKILL global rank ``RANK`` right after optimizer step ``STEP`` (``trainer.global_step``)
@@ -12,6 +12,20 @@ after an exponentially distributed time (mean ``SECONDS``) of training in that a
 (counted from its first batch: a failure during start-up costs every setting the same, so it
 would only add noise to a comparison). The draws depend only on the seed and the attempt
 number, so jobs with different settings (e.g. checkpoint cadences) meet the same failures.
+
+``LIGHTNING_ETT_FAULT_HANG="RANK:STEP[:ATTEMPT][,...]"`` makes that rank block forever in Python
+(:func:`hang_in_python`) right after step ``STEP``, as a deadlocked data loader or a dead mount would:
+alive, silent, holding its peers in their next collective. Only ``lightning run``'s hang watch ends it.
+
+``LIGHTNING_ETT_FAULT_HANG_COLLECTIVE="RANK:STEP[:ATTEMPT][,...]"`` makes that rank block in a collective
+that no other rank joins (:func:`hang_in_collective`, on a side group every rank made at setup), while
+the others go on to their next training collective and wait there for it.
+
+``LIGHTNING_ETT_FAULT_SLOW="RANK:SECONDS[:data|compute]"`` slows one rank down on every step: by
+``SECONDS`` in its data fetch (default) or in its compute (after ``training_step``, before backward).
+A straggler to diagnose, not a failure.
+
+A malformed value fails when ``ETTMonitor`` is constructed, before the job trains, naming the variable.
 """
 
 from __future__ import annotations
@@ -20,10 +34,15 @@ import os
 import random
 import signal
 import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 
 ENV_FAULT_KILL = "LIGHTNING_ETT_FAULT_KILL"
 ENV_FAULT_MTBF = "LIGHTNING_ETT_FAULT_MTBF_S"
+ENV_FAULT_HANG = "LIGHTNING_ETT_FAULT_HANG"
+ENV_FAULT_HANG_COLLECTIVE = "LIGHTNING_ETT_FAULT_HANG_COLLECTIVE"
+ENV_FAULT_SLOW = "LIGHTNING_ETT_FAULT_SLOW"
 
 
 @dataclass(frozen=True)
@@ -33,8 +52,8 @@ class KillFault:
     attempt: int = 0
 
 
-def parse_kill_faults(value: str | None) -> tuple[KillFault, ...]:
-    """Parse the switch's value; a malformed one is an error naming the variable and the format."""
+def parse_kill_faults(value: str | None, variable: str = ENV_FAULT_KILL, verb: str = "SIGKILL") -> tuple[KillFault, ...]:
+    """Parse a ``RANK:STEP[:ATTEMPT]`` switch; a malformed one is an error naming the variable and the format."""
     if not value or not value.strip():
         return ()
     faults = []
@@ -46,8 +65,8 @@ def parse_kill_faults(value: str | None) -> tuple[KillFault, ...]:
             numbers = []
         if len(numbers) not in (2, 3) or min(numbers) < 0:
             raise ValueError(
-                f"{ENV_FAULT_KILL}={value!r}: expected RANK:STEP[:ATTEMPT] (non-negative integers), comma-separated, "
-                "e.g. '1:40' to SIGKILL rank 1 after step 40 of attempt 0."
+                f"{variable}={value!r}: expected RANK:STEP[:ATTEMPT] (non-negative integers), comma-separated, "
+                f"e.g. '1:40' to {verb} rank 1 after step 40 of attempt 0."
             )
         faults.append(KillFault(*numbers))
     return tuple(faults)
@@ -101,3 +120,83 @@ def maybe_fail_randomly(failures: RandomFailures, rank: int, world_size: int, at
         print(f"lightning-ett fault injection: SIGKILL rank {rank} after {training_s:.1f}s of training in attempt {attempt} "
               f"(failure rate: MTBF {failures.mtbf_s:g}s)", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class HangFaults:
+    """Where ranks hang: in Python, or in a collective no other rank joins."""
+
+    in_python: tuple[KillFault, ...] = ()
+    in_collective: tuple[KillFault, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.in_python or self.in_collective)
+
+
+def hang_faults_from_env() -> HangFaults:
+    return HangFaults(
+        parse_kill_faults(os.environ.get(ENV_FAULT_HANG), ENV_FAULT_HANG, "hang"),
+        parse_kill_faults(os.environ.get(ENV_FAULT_HANG_COLLECTIVE), ENV_FAULT_HANG_COLLECTIVE, "hang"),
+    )
+
+
+def hang_in_python() -> None:
+    """Block forever, alive and silent (the frame a stack dump shows for an injected hang)."""
+    while True:
+        time.sleep(3600)
+
+
+def hang_in_collective(group: Any) -> None:
+    """Block in an all-reduce on ``group`` that no other rank joins (its timeout is made very long)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1), group=group)
+    hang_in_python()  # should the collective ever return, stay hung
+
+
+def maybe_hang(faults: HangFaults, rank: int, step: int, attempt: int, group: Any = None) -> None:
+    """Hang this rank if a hang fault names this rank, step and attempt."""
+    here = KillFault(rank, step, attempt)
+    where = "in Python" if here in faults.in_python else "in a collective" if here in faults.in_collective else None
+    if where is None:
+        return
+    print(f"lightning-ett fault injection: rank {rank} hangs {where} at step {step} of attempt {attempt} "
+          f"(t={time.time():.3f})", file=sys.stderr, flush=True)
+    if where == "in Python" or group is None:
+        hang_in_python()
+    hang_in_collective(group)
+
+
+def hang_collective_group() -> Any:
+    """The side group :func:`hang_in_collective` blocks on; every rank must call this (it is a collective)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(days=1))
+
+
+@dataclass(frozen=True)
+class SlowFault:
+    """One rank slowed by ``seconds`` per step, in its data fetch or its compute."""
+
+    rank: int
+    seconds: float
+    where: str = "data"
+
+
+def slow_fault_from_env() -> SlowFault | None:
+    value = os.environ.get(ENV_FAULT_SLOW, "").strip()
+    if not value:
+        return None
+    parts = value.split(":")
+    try:
+        rank, seconds = int(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        rank, seconds = -1, -1.0
+    where = parts[2] if len(parts) > 2 else "data"
+    if len(parts) not in (2, 3) or rank < 0 or not seconds > 0 or where not in ("data", "compute"):
+        raise ValueError(f"{ENV_FAULT_SLOW}={value!r}: expected RANK:SECONDS[:data|compute] (a rank >= 0, seconds > 0), "
+                         "e.g. '1:0.05:compute' to slow rank 1's compute by 50 ms per step.")
+    return SlowFault(rank, seconds, where)

@@ -23,6 +23,8 @@ processes, restarts and signal forwarding are torchrun's. What the layer adds:
 * **One W&B service for the job** (:mod:`lightning_ett.launch.wandb_service`) when the script
   mentions W&B: a killed rank's records are still written, and restarts connect instead of
   starting one.
+* **Hangs end.** A rank alive but silent past its phase's timeout gets its stacks dumped and
+  named, and the group is stopped and restarted (:mod:`lightning_ett.launch.hang_response`).
 * **The report** (``lightning-ett report``) is printed at the end.
 
 torch exposes no parameter for the agent class, so :func:`launch` swaps
@@ -48,12 +50,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from lightning_ett.durable.ownership import DirectoryInUseError, OwnerLock, run_dir_owner_file
 from lightning_ett.instrument.environment import (
     ENV_ATTEMPT,
     ENV_ATTEMPT_START,
+    ENV_HANG_WATCH,
     ENV_JOB_ID,
     ENV_JOB_START,
     ENV_LAUNCHER,
+    ENV_LAUNCHER_PID,
     ENV_RUN_DIR,
     process_start_time,
     write_job_file,
@@ -65,6 +70,7 @@ from lightning_ett.instrument.ledger import (
     read_ledger,
     recorded_attempts,
 )
+from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch
 from lightning_ett.launch.wandb_service import WandbService
 
 WORKER_LOGS = "worker_logs"
@@ -87,6 +93,7 @@ class LaunchOptions:
     run_dir: Path = field(default_factory=lambda: Path("ett_runs"))
     job_id: str = ""
     monitor_interval: float = 0.1
+    hang: HangOptions = field(default_factory=HangOptions)
 
 
 def next_attempt(run_dir: Path) -> int:
@@ -143,6 +150,8 @@ class LaunchRecorder:
         self.first_attempt = next_attempt(opts.run_dir)
         self.attempt = self.first_attempt - 1
         self.last_failure: str | None = None
+        self.watch = HangWatch(opts.run_dir, opts.hang) if opts.hang.enabled else None
+        self.hang: HangVerdict | None = None  # set by the watch: the failure that follows is this hang
         self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
         self.writer.append({
             "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
@@ -160,7 +169,15 @@ class LaunchRecorder:
             env.update(self.wandb_service.worker_env())
         os.environ.update(env)  # subprocess workers inherit it; forked ones get `env` as an argument
         self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
+        self.hang = None
+        if self.watch is not None:
+            self.watch.attempt_started(self.attempt, now)
         return env
+
+    def watch_workers(self, workers: dict[int, tuple[int, str | None]]) -> None:
+        """One look at this node's ranks (``global rank -> (pid, stderr log)``); a hang stops them."""
+        if self.watch is not None and self.hang is None:
+            self.hang = self.watch.poll(workers)
 
     def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
                        suspects: set[int] | None = None) -> None:
@@ -175,6 +192,11 @@ class LaunchRecorder:
         now = time.time()
         if self.wandb_service is not None:
             self.wandb_service.restart()
+        if self.hang is not None:  # the watch stopped the group: its verdict is the failure
+            for record in self.hang.failure_records():
+                self.writer.append(record)
+            self.last_failure = self.hang.reason
+            return
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
         logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
         pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
@@ -230,6 +252,9 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
             return super()._start_workers(worker_group)
 
         def _monitor_workers(self, worker_group: Any) -> RunResult:
+            stderrs = dict(getattr(self._pcontext, "stderrs", {}) or {})
+            recorder.watch_workers({w.global_rank: (w.id, stderrs.get(w.local_rank))
+                                    for w in worker_group.workers if w.id is not None})
             exited = _exited_local_ranks(self._pcontext)  # before torch stops the rest of the group
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
@@ -330,23 +355,44 @@ def torchrun_argv(opts: LaunchOptions) -> list[str]:
 
 
 def launch(opts: LaunchOptions) -> int:
-    """Run the job to its end (restarting it up to ``max_restarts`` times); return the exit code."""
+    """Run the job to its end (restarting it up to ``max_restarts`` times); return the exit code.
+
+    Exit code 2, with nothing started or recorded, when a live launcher already owns this node's
+    part of the run directory: a second one would interleave its ledger and checkpoints with it.
+    """
     job_start = float(os.environ.get(ENV_JOB_START, process_start_time()))
     opts.run_dir.mkdir(parents=True, exist_ok=True)
-    write_job_file(opts.run_dir, opts.job_id, job_start)
-    os.environ.update({
-        ENV_RUN_DIR: str(opts.run_dir), ENV_JOB_ID: opts.job_id, ENV_JOB_START: repr(job_start),
-        ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    })
-    from lightning_ett.launch.worker import MENTIONS_WANDB, mentions
-
-    service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
-    recorder = LaunchRecorder(opts, job_start, service)
+    owner = OwnerLock(opts.run_dir, run_dir_owner_file(opts.node_rank), opts.job_id,
+                      what=f"--run-dir {str(opts.run_dir)!r} (node {opts.node_rank})",
+                      fix="Wait for that job to end or stop it (its workers die with its launcher), or pass another "
+                      "--run-dir.", on_takeover=lambda said: print(f"lightning run: warning: {said}", file=sys.stderr))
     try:
-        return _launch(opts, recorder)
-    except BaseException as err:
-        recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
-        raise
+        owner.acquire()
+    except DirectoryInUseError as err:
+        print(f"lightning run: {err}", file=sys.stderr)
+        return 2
+    try:
+        write_job_file(opts.run_dir, opts.job_id, job_start)
+        os.environ.update({
+            ENV_RUN_DIR: str(opts.run_dir), ENV_JOB_ID: opts.job_id, ENV_JOB_START: repr(job_start),
+            ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            ENV_LAUNCHER_PID: str(os.getpid()),  # the forkserver and the workers die with this process
+        })
+        if opts.hang.enabled:
+            os.environ[ENV_HANG_WATCH] = "1"  # ranks announce phase starts and dump stacks on request
+        else:
+            os.environ.pop(ENV_HANG_WATCH, None)
+        from lightning_ett.launch.worker import MENTIONS_WANDB, mentions
+
+        service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
+        recorder = LaunchRecorder(opts, job_start, service)
+        try:
+            return _launch(opts, recorder)
+        except BaseException as err:
+            recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
+            raise
+    finally:
+        owner.release()
 
 
 def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:

@@ -26,6 +26,8 @@ import threading
 import traceback
 from pathlib import Path
 
+from lightning_ett.instrument.environment import ENV_HANG_WATCH
+
 #: Imported once per node by the forkserver (through :mod:`lightning_ett.launch.preload`): what
 #: every Lightning + TorchRec script imports.
 PRELOAD: tuple[str, ...] = (
@@ -117,6 +119,13 @@ def run_script(script: str, script_args_json: str, env_json: str) -> None:
     """Entry point of each worker (a picklable module-level function, for the forkserver)."""
     # The forkserver's environment is the launcher's at its start; values set per attempt come here.
     os.environ.update(json.loads(env_json))
+    from lightning_ett.launch.lifeline import hold_on_to_launcher
+
+    hold_on_to_launcher(forked_by_server=True)  # a SIGKILLed launcher leaves no worker training on its own
+    if os.environ.get(ENV_HANG_WATCH):  # stacks on request from the first line of the script on
+        from lightning_ett.watch.stacks import register_dump_signal
+
+        register_dump_signal()
     _apply_thread_count()
     _check_cuda_untouched()
     import multiprocessing

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +17,8 @@ import torch
 from conftest import REPO, SCRIPTS, clean_env
 
 from lightning_ett import summarize_run_dir
+from lightning_ett.checkpoint import layout as checkpoint_layout
+from lightning_ett.durable.ownership import process_alive
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
 
@@ -216,3 +220,119 @@ def test_the_forkserver_does_not_outlive_the_launcher(tmp_path):
     output = proc.stdout.read().decode()  # EOF once every holder of the pipe has exited
     assert time.time() - exited < 0.5
     assert "hello from __main__" in output
+
+
+# ---------------------------------------------------------------- no orphans, no double writers
+def _start_job(logs: Path, *args: str) -> subprocess.Popen:
+    """A `lightning run` in its own process group, its output in files (a long job would fill a pipe)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+        return subprocess.Popen([LIGHTNING, "run", *args], env=clean_env(), stdout=out, stderr=err, start_new_session=True)
+
+
+def _workers_training(run_dir: Path, launcher: subprocess.Popen, steps: int, timeout: float = 120) -> dict[int, int]:
+    """Once both ranks of attempt 0 trained ``steps`` steps: each rank's pid (from its ledger header)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and launcher.poll() is None:
+        ledgers = [lg for lg in read_ledger(run_dir) if lg.attempt == 0] if (run_dir / "ledger").is_dir() else []
+        trained = [lg for lg in ledgers if sum(e["phase"] == "train" for e in lg.events) >= steps]
+        if len(trained) == 2:
+            return {lg.rank: int(lg.header["pid"]) for lg in trained}
+        time.sleep(0.2)
+    raise AssertionError(f"the job never trained {steps} steps on both ranks (launcher exit code {launcher.poll()})")
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _sigkill_and_expect_gone(launcher: subprocess.Popen, pids: set[int], within_s: float = 10) -> float:
+    """``kill -9`` the launcher; returns how long its job's processes took to die (fails past ``within_s``)."""
+    launcher.kill()
+    launcher.wait()
+    killed = time.time()
+    while time.time() - killed < within_s and any(process_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    alive = sorted(pid for pid in pids if process_alive(pid))
+    assert not alive, f"alive {within_s} s after the launcher's SIGKILL: {alive}"
+    return time.time() - killed
+
+
+def _kill_all(launcher: subprocess.Popen, pids: set[int]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    for pid in pids:  # torch starts --no-preload workers in sessions of their own
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+
+
+def test_a_sigkilled_launcher_takes_its_no_preload_workers_with_it(tmp_path):
+    # (With --preload, the forkserver and its workers: the next test.)
+    launcher = _start_job(tmp_path / "logs", "--no-preload", "--devices", "2", "--max-restarts", "0", "--run-dir",
+                          str(tmp_path / "run"), JOB, "--out", str(tmp_path), "--max-steps", "100000", "--step-sleep",
+                          "0.05", "--ett-from-env")
+    pids: set[int] = set()
+    try:
+        pids = set(_workers_training(tmp_path / "run", launcher, steps=3).values())
+        assert {_parent(pid) for pid in pids} == {launcher.pid}  # torch's subprocesses
+        _sigkill_and_expect_gone(launcher, pids)
+    finally:
+        _kill_all(launcher, pids)
+
+
+def test_a_live_jobs_run_dir_and_checkpoint_dir_are_refused_to_others_until_it_is_sigkilled(tmp_path):
+    run, other, ckpt, out = tmp_path / "run", tmp_path / "other", tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    hello = tmp_path / "hello.py"
+    hello.write_text("print('hello')\n")
+    host = socket.gethostname()
+    first = _start_job(tmp_path / "first", "--devices", "2", "--max-restarts", "0", "--run-dir", str(run), JOB, "--out",
+                       str(out), "--max-steps", "100000", "--step-sleep", "0.05", "--async-every", "5", "--ckpt-dir",
+                       str(ckpt), "--ett-from-env")
+    pids: set[int] = set()
+    try:
+        workers = _workers_training(run, first, steps=6)
+        forkserver = _parent(workers[0])
+        pids = {*workers.values(), forkserver}
+        assert forkserver != first.pid and _parent(forkserver) == first.pid
+
+        # A second launcher into the live job's run directory: refused at once, naming the owner.
+        started = time.time()
+        second = lightning_run("--run-dir", str(run), str(hello), timeout=60)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert time.time() - started < 15
+        assert f"--run-dir {str(run)!r} (node 0) is in use by job 'run' (pid {first.pid} on host {host!r}" in second.stderr
+        assert "hello" not in second.stdout
+        assert [r["kind"] for r in read_launcher_records(run)].count("launch") == 1  # it recorded nothing
+
+        # Another job writing the same checkpoint directory: fails on every rank before its first step.
+        job = [JOB, "--out", str(out), "--async-every", "2", "--ckpt-dir", str(ckpt), "--ett-from-env"]
+        third = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(other), *job, "--max-steps", "4")
+        assert third.returncode == 1
+        ledgers = read_ledger(other)
+        assert sorted(lg.rank for lg in ledgers) == [0, 1]
+        for lg in ledgers:
+            assert not [e for e in lg.events if e["phase"] == "train"]
+            assert lg.status == "failed" and "DirectoryInUseError" in lg.reason, lg.reason
+            assert f"AsyncCheckpoint(dirpath={str(ckpt)!r}) is in use by job 'run'" in lg.reason
+            assert f"pid {workers[0]} on host {host!r}, attempt 0" in lg.reason  # rank 0 of the first job
+
+        # kill -9 of the first launcher: its forkserver and workers follow it within seconds.
+        _sigkill_and_expect_gone(first, pids)
+
+        # Both directories are taken over once their owner is dead.
+        fourth = lightning_run("--run-dir", str(run), str(hello), timeout=120)
+        assert fourth.returncode == 0, fourth.stderr[-3000:]
+        assert "hello" in fourth.stdout
+        assert f"lightning run: warning: --run-dir {str(run)!r} (node 0): taking over from job 'run' (pid {first.pid}" \
+            in fourth.stderr
+        newest = checkpoint_layout.newest_complete(ckpt)
+        assert newest is not None
+        steps = str(int(newest.name.split("-")[1]) + 2)
+        fifth = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(other), *job, "--max-steps", steps)
+        assert fifth.returncode == 0, fifth.stderr[-3000:]
+        assert f"taking over from job 'run' (pid {workers[0]} on host {host!r}, attempt 0" in fifth.stderr
+        assert not (ckpt / ".ett-owner").exists() and not list(run.glob(".ett-owner*"))  # released at the end
+    finally:
+        _kill_all(first, pids)

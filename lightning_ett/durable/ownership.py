@@ -1,0 +1,398 @@
+"""One live owner per directory: a lock file that names its owner, taken over once the owner is gone.
+
+Why: two jobs writing one run directory interleave their ledgers, and two jobs writing one
+checkpoint directory resume from and overwrite each other's checkpoints — with no error. A
+second owner must fail at once, naming the first (job, host, pid), and a crashed owner must
+not block the next one.
+
+The lock is a small JSON file inside the directory: job id, host, pid, process start, pid
+namespace, attempt, acquired time and a unique token. It is created by writing a uniquely
+named temp file and ``os.link``-ing it to the lock's name: a link fails if the name exists,
+atomically, so of two acquirers exactly one wins. A lock that exists belongs to:
+
+* a live owner on this host (same hostname and pid namespace): its pid exists, is no zombie and
+  started when the lock says (a reused pid is another process) — the acquirer is refused;
+* a live owner on another host: it refreshes the lock's mtime every :data:`HEARTBEAT_S` from a
+  daemon thread, and a lock whose mtime is older than :data:`STALE_AFTER_S` is stale;
+* no one alive: taken over with a warning. The lock is renamed to a unique name (one renamer
+  gets it), checked to be the one judged stale (else put back), and the acquirer links its own.
+
+On a filesystem shared by several nodes (NFS, Lustre, GPFS) this relies on: ``link`` and
+``rename`` within one directory being atomic (NFS v3+; a link whose reply was lost on a
+retransmit is recognized by the temp file's link count); close-to-open consistency (the lock
+is opened before its mtime is read, which revalidates NFS's attribute cache); ``utime`` reaching
+the file server within a heartbeat; and every host's clock agreeing with the file server's to
+well within :data:`STALE_AFTER_S` (a lock's age is the reader's clock minus the server's mtime).
+Where hard links are not supported, ``O_EXCL`` creation is used instead.
+
+Standard library only: ``durable`` is the foundation of the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: Lock file of a checkpoint directory (``AsyncCheckpoint``).
+CHECKPOINT_OWNER_FILE = ".ett-owner"
+#: Seconds between an owner's heartbeats (the lock's mtime).
+HEARTBEAT_S = 10.0
+#: A lock not refreshed for this long belongs to no one (its owner, on another host, is gone).
+STALE_AFTER_S = 60.0
+_RETRIES = 20
+_UNREADABLE_GRACE_S = 2.0  # a lock still being written (O_EXCL fallback) is empty for a moment
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
+
+# Tokens of the locks held by live OwnerLock objects of this process (a lock naming this process
+# but not held here was left by an earlier holder in it, which is gone).
+_held: set[str] = set()
+_held_lock = threading.Lock()
+
+
+def run_dir_owner_file(node_rank: int) -> str:
+    """Lock file of a run directory, one per node: several nodes' launchers share one run directory."""
+    return f".ett-owner-node-{node_rank:05d}"
+
+
+class DirectoryInUseError(RuntimeError):
+    """A directory already has a live owner: another job (or another process of this one) writes it."""
+
+
+class StaleOwnerWarning(UserWarning):
+    """A lock left by an owner that is gone was taken over."""
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat``); ``None`` where unknown."""
+    stat = _proc_stat(pid)
+    return stat[1] if stat else None
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether ``pid`` runs on this host and, if ``start_ticks`` is given, is the process that started then.
+
+    A zombie (dead, not yet reaped by its parent) is not alive; neither is a newer process that
+    reuses the pid.
+    """
+    if pid <= 0:
+        return False
+    stat = _proc_stat(pid)
+    if stat is not None:
+        state, ticks = stat
+        return state not in ("Z", "X", "x") and (start_ticks is None or ticks == start_ticks)
+    if os.path.isdir("/proc/self"):
+        return False  # /proc exists and has no such pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])  # state (field 3) and starttime (field 22) of stat(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """Containers may share a hostname but not their pids: a pid is only checked within its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What a lock file says about its owner."""
+
+    job_id: str
+    host: str
+    pid: int
+    process_start: int | None  # clock ticks since boot (pid reuse check); None where unknown
+    pid_namespace: str | None
+    attempt: int | None
+    acquired: float
+    token: str
+
+    @classmethod
+    def me(cls, job_id: str, attempt: int | None) -> Owner:
+        pid = os.getpid()
+        return cls(job_id, socket.gethostname(), pid, process_start_ticks(pid), _pid_namespace(), attempt,
+                   time.time(), uuid.uuid4().hex)
+
+    @classmethod
+    def parse(cls, data: bytes) -> Owner | None:
+        try:
+            raw = json.loads(data)
+            return cls(str(raw["job_id"]), str(raw["host"]), int(raw["pid"]), raw.get("process_start"),
+                       raw.get("pid_namespace"), raw.get("attempt"), float(raw["acquired"]), str(raw["token"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self)) + "\n").encode()
+
+    def same_host(self, other: Owner) -> bool:
+        return self.host == other.host and self.pid_namespace == other.pid_namespace
+
+    def describe(self) -> str:
+        attempt = f", attempt {self.attempt}" if self.attempt is not None else ""
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.acquired))
+        return f"job {self.job_id!r} (pid {self.pid} on host {self.host!r}{attempt}, since {since})"
+
+
+class OwnerLock:
+    """Own ``directory`` through its lock file ``name`` while this process works in it.
+
+    Args:
+        directory: the directory owned (created if missing).
+        name: the lock file's name inside it.
+        job_id, attempt: who owns it, as the error seen by the next one will say.
+        what: how the error names the directory, e.g. ``"--run-dir '/runs/a'"``.
+        fix: what the refused user should do, appended to the error.
+        earlier_attempts_are_stopped: an owner of the same job with an earlier attempt is this
+            job's previous attempt, which its launcher stopped: taken over quietly (unless it is a
+            live process on this host). Its heartbeat may still look fresh when rank 0 moved hosts.
+        on_takeover: called with a sentence when a stale owner is taken over (default: a
+            :class:`StaleOwnerWarning`).
+    """
+
+    def __init__(self, directory: str | os.PathLike, name: str, job_id: str, attempt: int | None = None,
+                 what: str | None = None, fix: str = "", earlier_attempts_are_stopped: bool = False,
+                 on_takeover: Callable[[str], None] | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 stale_after_s: float = STALE_AFTER_S) -> None:
+        if not stale_after_s > heartbeat_s > 0:
+            raise ValueError(f"OwnerLock(heartbeat_s={heartbeat_s!r}, stale_after_s={stale_after_s!r}): expected "
+                             "0 < heartbeat_s < stale_after_s.")
+        self.directory = Path(directory)
+        self.path = self.directory / name
+        self.job_id, self.attempt = job_id, attempt
+        self.what = what or f"directory {str(self.directory)!r}"
+        self.fix = fix
+        self.earlier_attempts_are_stopped = earlier_attempts_are_stopped
+        self.on_takeover = on_takeover or _warn
+        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.owner: Owner | None = None  # set while held
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of our lock file
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(self) -> Owner | None:
+        """Own the directory, or raise :class:`DirectoryInUseError` naming its live owner.
+
+        Returns the stale owner that was taken over, if any.
+        """
+        if self.owner is not None:
+            return None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        me = Owner.me(self.job_id, self.attempt)
+        with _held_lock:
+            _held.add(me.token)  # before it exists: another thread of this process must not judge it abandoned
+        try:
+            return self._acquire(me)
+        except BaseException:
+            with _held_lock:
+                _held.discard(me.token)
+            raise
+
+    def _acquire(self, me: Owner) -> Owner | None:
+        data = me.to_bytes()
+        taken_over: Owner | None = None
+        for _ in range(_RETRIES):
+            if self._create(data):
+                self._held(me)
+                return taken_over
+            seen = self._read()
+            if seen is None:
+                continue  # released meanwhile: try again
+            raw, age_s = seen
+            current = Owner.parse(raw)
+            if current is None:
+                if age_s < _UNREADABLE_GRACE_S:
+                    time.sleep(0.1)  # being written (O_EXCL fallback)
+                    continue
+                reason, quiet = f"its lock file is unreadable ({raw[:80]!r})", False
+            else:
+                reason, quiet = self._judge(current, me, age_s)
+                if reason is None:
+                    raise DirectoryInUseError(self._refusal(current, me, age_s))
+            if self._set_aside(raw):
+                taken_over = current
+                if not quiet:
+                    who = current.describe() if current is not None else "an unknown owner"
+                    self.on_takeover(f"{self.what}: taking over from {who}: {reason}.")
+        raise DirectoryInUseError(f"{self.what}: could not take its lock {str(self.path)!r} after {_RETRIES} tries: "
+                                  "other processes keep acquiring it. Is another job starting into it?")
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still ours (a newer owner's stays)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        owner, self.owner = self.owner, None
+        if owner is None:
+            return
+        with _held_lock:
+            _held.discard(owner.token)
+        seen = self._read()
+        if seen is not None and Owner.parse(seen[0]) == owner:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    # ------------------------------------------------------------------ the steps
+    def _create(self, data: bytes) -> bool:
+        """Create the lock with ``data`` if it does not exist: link a complete temp file to its name."""
+        temp = self.directory / f"{self.path.name}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(temp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(temp, self.path)
+                return True
+            except FileExistsError:
+                return _linked_anyway(temp)
+            except OSError as err:
+                if _linked_anyway(temp):
+                    return True
+                if err.errno not in _NO_LINKS:
+                    raise
+            return self._create_exclusive(data)
+        finally:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+
+    def _create_exclusive(self, data: bytes) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _read(self) -> tuple[bytes, float] | None:
+        """The lock's content and age in seconds (opened first: revalidates NFS's cached attributes)."""
+        try:
+            with open(self.path, "rb") as f:
+                mtime = os.fstat(f.fileno()).st_mtime
+                return f.read(64 * 1024), time.time() - mtime
+        except FileNotFoundError:
+            return None
+
+    def _judge(self, current: Owner, me: Owner, age_s: float) -> tuple[str | None, bool]:
+        """Why ``current`` is no live owner, and whether to take over quietly; ``(None, _)`` if it is alive."""
+        previous = (self.earlier_attempts_are_stopped and current.job_id == me.job_id
+                    and current.attempt is not None and me.attempt is not None and current.attempt < me.attempt)
+        if current.same_host(me):
+            if current.pid == me.pid and current.process_start == me.process_start:
+                with _held_lock:
+                    held = current.token in _held
+                return (None, False) if held else ("its holder in this process is gone", previous)
+            if process_alive(current.pid, current.process_start):
+                return None, False
+            return f"process {current.pid} is gone", previous
+        if previous:
+            return "it is this job's previous attempt", True
+        if age_s < self.stale_after_s:
+            return None, False
+        return f"no heartbeat for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s)", False
+
+    def _set_aside(self, raw: bytes) -> bool:
+        """Rename the stale lock out of the way; False if what was renamed was not it (then it is put back)."""
+        aside = self.directory / f"{self.path.name}.stale-{uuid.uuid4().hex}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # another acquirer set it aside first
+        try:
+            with open(aside, "rb") as f:
+                renamed = f.read(64 * 1024)
+            if renamed == raw:
+                return True
+            # A newer owner's lock, linked after we read the stale one: give it back.
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                aside.unlink()
+
+    def _held(self, me: Owner) -> None:
+        self.owner = me
+        try:
+            st = os.stat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
+        except OSError:
+            self._identity = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="ett-owner-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Refresh the lock's mtime, so that other hosts see this owner alive; say so once if it was lost."""
+        while not stop.wait(self.heartbeat_s):
+            try:
+                st = os.stat(self.path)
+                if self._identity is not None and (st.st_dev, st.st_ino) != self._identity:
+                    raise FileNotFoundError
+                os.utime(self.path)
+            except FileNotFoundError:
+                if not stop.is_set():
+                    _warn(f"{self.what}: its lock {str(self.path)!r} was removed or replaced by another process "
+                          "while this one owned it; another job may now write into it too.")
+                return
+            except OSError:
+                continue  # a transient error of a network filesystem: the next beat tries again
+
+    def _refusal(self, current: Owner, me: Owner, age_s: float) -> str:
+        alive = "alive" if current.same_host(me) else f"alive: its last heartbeat was {max(age_s, 0):.0f} s ago"
+        text = (f"{self.what} is in use by {current.describe()}, which is {alive}. Two owners would write "
+                f"into each other's files. {self.fix}".rstrip())
+        return (f"{text} (Its lock: {str(self.path)!r}; once that process is gone it is taken over, on another host "
+                f"{self.stale_after_s:.0f} s after its last heartbeat.)")
+
+
+def _linked_anyway(temp: Path) -> bool:
+    """NFS: a ``link`` retransmitted after a lost reply fails with EEXIST although it succeeded."""
+    try:
+        return os.stat(temp).st_nlink == 2
+    except OSError:
+        return False
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, StaleOwnerWarning, stacklevel=3)
+
+
+def read_owner(path: str | os.PathLike) -> Owner | None:
+    """The owner a lock file names, or ``None`` (no lock, or unreadable)."""
+    try:
+        return Owner.parse(Path(path).read_bytes())
+    except OSError:
+        return None
+
+
+__all__ = ["CHECKPOINT_OWNER_FILE", "DirectoryInUseError", "Owner", "OwnerLock", "StaleOwnerWarning",
+           "process_alive", "process_start_ticks", "read_owner", "run_dir_owner_file"]

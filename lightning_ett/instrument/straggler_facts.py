@@ -1,0 +1,62 @@
+"""The straggler diagnosis as the summary and the report state it, from rank 0's ``straggler`` facts.
+
+Each fact is one window's verdict (written by :mod:`lightning_ett.watch.stragglers` through
+``Timeline.fact``): ``step``, ``scores`` (seconds per step the other ranks waited for each rank),
+``straggler`` (a rank or ``None``), ``score_s``, ``side`` (``data`` or ``compute``),
+``threshold_s``, ``batches``. Waiting for a straggler is slow training, not lifecycle overhead: it
+stays ``train`` time, and this is a diagnosis next to the ETT%, never a phase.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+
+def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``stragglers`` entry of ``ett_summary.json``; ``None`` when no window was scored.
+
+    ``latest``: the last window's per-rank scores and verdict. ``named``: windows each rank was named
+    in. ``worst``: the rank named most often, with the median of its scores when named and its side.
+    """
+    facts = [f for f in facts if _valid(f)]  # a hand-edited or foreign fact is left out, never a crash
+    if not facts:
+        return None
+    latest = facts[-1]
+    named = Counter(int(f["straggler"]) for f in facts if f.get("straggler") is not None)
+    digest: dict[str, Any] = {
+        "windows": len(facts),
+        "straggler": latest.get("straggler"),
+        "latest": {"step": latest.get("step"), "scores": {str(r): s for r, s in enumerate(latest.get("scores") or [])},
+                   "threshold_s": latest.get("threshold_s"), "side": latest.get("side")},
+        "named": {str(rank): count for rank, count in sorted(named.items())},
+        "worst": None,
+    }
+    if named:
+        rank, windows = named.most_common(1)[0]
+        mine = [f for f in facts if f.get("straggler") == rank]
+        sides = Counter(f.get("side") for f in mine)
+        score = statistics.median(float(f["score_s"]) for f in mine)
+        digest["worst"] = {"rank": rank, "windows": windows, "score_s": round(score, 6), "side": sides.most_common(1)[0][0],
+                           "first_step": mine[0].get("step"), "last_step": mine[-1].get("step")}
+    return digest
+
+
+def _valid(fact: dict[str, Any]) -> bool:
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    straggler, scores = fact.get("straggler"), fact.get("scores")
+    return ((straggler is None or (isinstance(straggler, int) and not isinstance(straggler, bool)))
+            and number(fact.get("score_s")) and isinstance(scores, list) and all(number(v) for v in scores))
+
+
+def straggler_line(digest: dict[str, Any] | None) -> str | None:
+    """One line for the report under the table, or ``None`` when no window named a straggler."""
+    if not digest or not digest.get("worst"):
+        return None
+    w = digest["worst"]
+    return (f"straggler: rank {w['rank']}, others waited {1000 * w['score_s']:.0f} ms/step ({w['side']} side); "
+            f"named in {w['windows']} of {digest['windows']} windows (steps {w['first_step']}..{w['last_step']}); "
+            "a diagnosis: the waiting stays in train time")

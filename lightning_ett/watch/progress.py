@@ -1,0 +1,135 @@
+"""What each rank is doing and when it last moved, read from the tail of its ETT ledger.
+
+The hang watch runs in ``lightning run``'s agent, beside the workers, and reads only what the
+ranks already write: an event when a phase ends and, while a watch reads them, a ``begin`` record
+when one starts (:meth:`lightning_ett.instrument.timeline.Timeline.begin`). Watching costs the
+training path no collective and no heartbeat thread.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_ett.instrument.timeline import Phase
+
+#: Watch phases beyond the ETT phases: a rank that has not trained yet in this attempt, and one past its end.
+STARTUP = "startup"
+TRAIN = Phase.TRAIN.value
+SHUTDOWN = Phase.SHUTDOWN.value
+#: Phases with a timeout of their own while a rank is inside them (see :class:`~lightning_ett.watch.hang.HangTimeouts`).
+TIMED_PHASES = (Phase.COMPILE.value, Phase.CHECKPOINT_LOAD.value, Phase.CHECKPOINT_SAVE.value, Phase.EVAL.value,
+                Phase.DATA_INIT.value)
+
+
+class LedgerTail:
+    """Reads the records appended to one ledger file since the last read (a torn last line waits for its end)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        records = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+
+@dataclass
+class RankProgress:
+    """One rank's state as the watch sees it: its phase, its last step and when it last moved."""
+
+    rank: int
+    last_progress: float  # the attempt's start until the rank writes its first record
+    seen: bool = False  # it wrote a record: its job has an ETTMonitor to tell the watch what it does
+    pid: int | None = None
+    host: str | None = None
+    step: int | None = None  # the latest training step it began or finished
+    #: How far it got, comparable across ranks: (step, 0 began / 1 finished, phases begun since). Ranks
+    #: run the same hooks in the same order, so one that began fewer phases since the same step is behind.
+    position: tuple[int, int, int] = (-1, 0, 0)
+    trained_steps: int = 0
+    done: bool = False  # it said how its attempt ended: shutting down
+    recent_steps: deque[float] = field(default_factory=lambda: deque(maxlen=200))
+    _open: list[str] = field(default_factory=list)  # phases begun and not yet ended, innermost last
+
+    @property
+    def phase(self) -> str:
+        """The phase whose timeout applies now."""
+        if self.done:
+            return SHUTDOWN
+        for name in reversed(self._open):
+            if name in TIMED_PHASES:
+                return name
+        return TRAIN if self.trained_steps else STARTUP
+
+    @property
+    def current_step(self) -> int | None:
+        """The step it is in, or is about to run (events number steps from 0, as ``global_step`` before each)."""
+        step, finished, _ = self.position
+        return None if step < 0 else step + finished
+
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.recent_steps) if self.recent_steps else None
+
+    def slowest_step_s(self, skip: int) -> float | None:
+        """The slowest of the recent steps, leaving out the rank's first ``skip`` steps (warm-up)."""
+        recent = list(self.recent_steps)[max(skip - (self.trained_steps - len(self.recent_steps)), 0):]
+        return max(recent) if recent else None
+
+    def update(self, record: dict[str, Any]) -> None:
+        self.seen = True
+        kind = record.get("kind")
+        if kind == "header":
+            self.pid, self.host = record.get("pid", self.pid), record.get("host", self.host)
+        elif kind == "begin":
+            self._begin(str(record.get("phase")), record.get("step"), float(record.get("time", 0.0)))
+        elif kind == "event":
+            self._end(str(record.get("phase")), record.get("step"), float(record.get("start", 0.0)),
+                      float(record.get("end", 0.0)))
+        elif kind == "status":
+            self.done = True
+            self.last_progress = max(self.last_progress, float(record.get("time", self.last_progress)))
+
+    def _begin(self, phase: str, step: Any, at: float) -> None:
+        if phase == TRAIN:
+            self._open.clear()  # a new step began: whatever came before it is over
+            self.done = False  # (a second `fit` after the first one ended)
+            if isinstance(step, int):
+                self.step, self.position = step, (step, 0, 0)
+        else:
+            self._open.append(phase)
+            self.position = (*self.position[:2], self.position[2] + 1)
+        self.last_progress = max(self.last_progress, at)
+
+    def _end(self, phase: str, step: Any, start: float, end: float) -> None:
+        if phase in self._open:
+            del self._open[len(self._open) - 1 - self._open[::-1].index(phase)]
+        if phase == TRAIN:
+            self.trained_steps += 1
+            self.recent_steps.append(end - start)
+            if isinstance(step, int):
+                self.step, self.position = step, (step, 1, 0)
+        elif phase == SHUTDOWN:
+            self.done = True
+        self.last_progress = max(self.last_progress, end)

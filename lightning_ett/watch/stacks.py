@@ -1,0 +1,154 @@
+"""Stacks of a hung rank: ask for them, read them back, and tell whether it waits in a collective.
+
+Each worker registers :mod:`faulthandler` on :data:`DUMP_SIGNAL` (:func:`register_dump_signal`):
+the dump is written by a C signal handler, so it arrives even from a rank blocked inside a C call
+(a gloo wait, a read on a dead mount), every thread included, into the rank's own stderr log: the
+attempt's worker log. ``py-spy`` adds native frames where it is installed and allowed to attach.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The signal a worker dumps its stacks on (SIGUSR1 is taken by Lightning's SLURM requeue).
+DUMP_SIGNAL = signal.SIGUSR2
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)(?: \[[^\]]*\])? \(most recent call first\):")
+_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
+#: Frames of code that waits for other ranks (the Python side of every collective we know of).
+_COLLECTIVE = re.compile(r"torch/distributed/(distributed_c10d|_functional_collectives|algorithms/)"
+                         r"|torchrec/distributed/(comm_ops|dist_data|types)\.py|torch/nn/parallel/distributed\.py")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def register_dump_signal() -> None:
+    """Make this process dump every thread's Python stack to stderr on :data:`DUMP_SIGNAL` (idempotent)."""
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{Path(self.file).name}:{self.line} in {self.function}"
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """One faulthandler dump: the main thread's frames (innermost first) and the thread count."""
+
+    main: tuple[Frame, ...]
+    threads: int
+
+    @property
+    def in_collective(self) -> bool:
+        return any(_COLLECTIVE.search(f.file.replace(os.sep, "/")) for f in self.main)
+
+    def top(self, n: int = 5) -> list[str]:
+        return [str(f) for f in self.main[:n]]
+
+    def culprit_frame(self) -> Frame | None:
+        """The innermost frame outside the standard library: the code that stopped, not ``threading.wait``."""
+        own = [f for f in self.main if not f.file.startswith(_STDLIB) or "site-packages" in f.file]
+        return (own or list(self.main) or [None])[0]
+
+
+def parse_dump(text: str) -> StackDump | None:
+    """The faulthandler dump in ``text`` (a worker's stderr from just before the signal), or ``None``.
+
+    The main thread is the one running Lightning (or the script's ``<module>``): faulthandler's
+    "current thread" is whichever thread the kernel handed the signal to.
+    """
+    threads: list[tuple[bool, list[Frame]]] = []
+    for line in text.splitlines():
+        if m := _THREAD.match(line):
+            threads.append((m.group(1) == "Current thread", []))
+        elif threads and (m := _FRAME.match(line)):
+            threads[-1][1].append(Frame(m.group(1), int(m.group(2)), m.group(3)))
+    if not threads:
+        return None
+    main = next((frames for _, frames in threads if any("lightning/pytorch/" in f.file for f in frames)), None)
+    main = main or next((frames for _, frames in threads if any(f.function == "<module>" for f in frames)), None)
+    main = main or next((frames for current, frames in threads if current), threads[0][1])
+    return StackDump(tuple(main), len(threads))
+
+
+def request_dumps(pids: dict[int, int], log_paths: dict[int, str | None], timeout_s: float = 3.0) -> dict[int, StackDump | None]:
+    """Signal each rank (``rank -> pid``) to dump, then read each dump back from its log (``rank -> path``)."""
+    offsets = {rank: _size(log_paths.get(rank)) for rank in pids}
+    for pid in pids.values():
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    dumps: dict[int, StackDump | None] = dict.fromkeys(pids)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for rank in pids:
+            if dumps[rank] is None:
+                text = _read_from(log_paths.get(rank), offsets[rank])
+                dumps[rank] = parse_dump(text) if "(most recent call first)" in text else None
+        if all(d is not None for d in dumps.values()):
+            time.sleep(0.1)  # the signal handler writes thread by thread: let the last ones land
+            return {rank: parse_dump(_read_from(log_paths.get(rank), offsets[rank])) for rank in pids}
+        time.sleep(0.05)
+    return dumps
+
+
+def py_spy_dumps(pids: dict[int, int], out_paths: dict[int, Path], timeout_s: float = 10.0) -> dict[int, Path]:
+    """Native and Python frames of every rank from ``py-spy dump --native``, one file per rank, when py-spy is installed.
+
+    py-spy needs ptrace permission over the workers (containers often withhold it): its error is
+    written into the file instead, and the watch goes on without it.
+    """
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return {}
+    running = {}
+    for rank, pid in pids.items():
+        path = out_paths[rank]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "wb")  # noqa: SIM115 - closed below, after the process ends
+        running[rank] = (subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=f,
+                                          stderr=subprocess.STDOUT), f, path)
+    deadline = time.monotonic() + timeout_s
+    written = {}
+    for rank, (proc, f, path) in running.items():
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        f.close()
+        written[rank] = path
+    return written
+
+
+def _size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def _read_from(path: str | None, offset: int) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,241 @@
+"""Which rank makes the others wait, and for how long per step: a diagnosis, not a restart.
+
+Method. Each rank stamps, locally and per training batch, two host times: ``ready`` (the batch has
+been fetched; Lightning fetches just before ``on_train_batch_start``) and ``forward_done`` (the
+first ``on_before_backward`` of the batch; absent under manual optimization). Nothing is sent per
+step. Every N batches all ranks all-gather one small float64 row (:meth:`WindowStamps.row`): the
+window's stamps, measured from the instant this rank *left the previous gather*, and the instants it
+left the last few gathers. Leaving a collective is an instant common to every rank, up to the
+collective's exit skew, so those instants give each rank's clock offset: skew between hosts, however
+large, cannot move the blame, and the stamps use the monotonic clock, so a wall-clock step (NTP)
+cannot either. The offset is the median over the last :data:`OFFSET_GATHERS` gathers, not the last
+one alone: on a loaded host a rank may wake from a collective a millisecond late, and one gather's
+exit error would shift a whole window (measured: ±1 ms shifts of whole windows with 2 ranks on 2
+cores; the median over 5 gathers removes them). Over those few windows the hosts' clocks are
+taken to run at one rate: two clocks 10 ppm apart drift 5 x N steps x 10 ppm, 1.25 % of the
+default threshold (10 % of a step, N = 25) whatever the step time.
+Then, per batch and point, a rank's lateness is its stamp minus the earliest rank's; per batch,
+the larger of its two; its score, the median over the window: the seconds per step the others
+waited for it. The first window has no earlier gather to measure from: it only sets the origin
+(with :data:`ORIGIN_GATHERS` gathers in a row, so the next window's offsets are a median already).
+
+What it sees:
+
+* ``data`` side: slowness between the previous step's last collective and ``ready``: the data
+  fetch, host-side input work (collate, ``batch_to_device``), a slow ``on_train_batch_start``.
+* ``compute`` side: slowness in the forward after its last collective, up to the backward (a
+  slower ``training_step`` on the host).
+
+What it does not see: slowness inside the backward (DDP's gradient all-reduces are collectives:
+the ranks leave the backward together, so the lateness is absorbed there; it shows as step-time
+deviation, ``ett/step_time_deviation``), nor slowness after a step's last collective and before
+the next batch's first one (under DDP Lightning broadcasts a SIGTERM flag at each batch start,
+which absorbs it). The stamps are host times with no device sync: on GPUs, a rank whose *device*
+is slower than its peers' (its host is not) is not seen either.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: The absolute floor of the threshold: below it, lateness is the collectives' own exit skew and noise.
+MIN_THRESHOLD_S = 0.002
+#: Consecutive windows one rank must be named in before the warning.
+WARN_AFTER_WINDOWS = 2
+#: Gathers whose leave times give each rank's clock offset (their median): one noisy exit cannot shift a window.
+OFFSET_GATHERS = 5
+#: Gathers in a row at the first window (which only sets the origin), so the first scored window's offsets
+#: are already a median of three, not one noisy sample. Once per fit.
+ORIGIN_GATHERS = 3
+_HEADER = 2  # a row's fields before the leave times: the batch count, and how many leave times it holds
+
+
+class WindowStamps:
+    """One rank's stamps for the current window, kept locally until the next gather."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"WindowStamps(size={size}): a window holds at least one batch.")
+        self.size = size
+        self.leaves: deque[float] = deque(maxlen=OFFSET_GATHERS)  # when this rank left the last gathers (its clock)
+        self._ready = [math.nan] * size
+        self._forward = [math.nan] * size
+        self.count = 0
+        self._forward_open = False
+
+    @property
+    def full(self) -> bool:
+        """The window holds its N batches: time to gather (the same batch on every rank)."""
+        return self.count >= self.size
+
+    def ready(self, t: float) -> None:
+        if self.count < self.size:
+            self._ready[self.count] = t
+            self.count += 1
+            self._forward_open = True
+
+    def forward_done(self, t: float) -> None:
+        """The first backward of the current batch begins (later calls of the same batch are ignored)."""
+        if self._forward_open:
+            self._forward[self.count - 1] = t
+            self._forward_open = False
+
+    def row(self) -> list[float]:
+        """``[count, n, leave times (nan-padded, oldest first), ready x N, forward x N]``.
+
+        Stamps are measured from the last leave time; leave times are this rank's clock (float64 keeps them
+        to well under a microsecond).
+        """
+        origin = self.leaves[-1] if self.leaves else 0.0
+        leaves = [math.nan] * (OFFSET_GATHERS - len(self.leaves)) + list(self.leaves)
+        stamps = [t - origin for t in self._ready] + [t - origin for t in self._forward]
+        return [float(self.count), float(len(self.leaves)), *leaves, *stamps]
+
+    def left(self, t: float) -> None:
+        """This rank left another gather at ``t`` (its clock): one more sample for the offsets."""
+        self.leaves.append(t)
+
+    def restart(self, left: float) -> None:
+        """A gather just ended at ``left`` (this rank's clock): the next window is measured from it."""
+        self.left(left)
+        self._ready = [math.nan] * self.size
+        self._forward = [math.nan] * self.size
+        self.count = 0
+        self._forward_open = False
+
+
+@dataclass(frozen=True)
+class WindowScores:
+    """Per-rank lateness over one window, in seconds per step."""
+
+    scores: tuple[float, ...]  # median over the window of max(ready, forward) lateness
+    data_scores: tuple[float, ...]  # the same at ``ready`` alone: how much of it is the data side
+    batches: int
+    step_s: float  # median step period of the earliest rank (nan with one batch)
+
+    def side(self, rank: int) -> str:
+        """``data`` when the rank is already late at ``ready``, else ``compute`` (late only after the forward)."""
+        return "data" if self.data_scores[rank] >= 0.5 * self.scores[rank] else "compute"
+
+
+def window_scores(rows: Any) -> WindowScores | None:
+    """Score one window from the gathered rows (one per rank, :meth:`WindowStamps.row`).
+
+    ``None`` for a window with nothing to score: no origin yet (the first window), no batch, one rank.
+    """
+    rows = np.asarray(rows, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[0] < 2:
+        return None
+    count, gathers = int(rows[:, 0].min()), int(rows[:, 1].min())
+    if count < 1 or gathers < 1:
+        return None
+    shift = _origin_errors(rows[:, _HEADER:_HEADER + OFFSET_GATHERS][:, OFFSET_GATHERS - gathers:])
+    first = _HEADER + OFFSET_GATHERS
+    size = (rows.shape[1] - first) // 2
+    ready = rows[:, first:first + count] + shift[:, None]
+    forward = rows[:, first + size:first + size + count] + shift[:, None]
+    earliest = ready.min(axis=0)  # nan where a rank missed a stamp: that batch then scores nothing at `ready`
+    late_ready = ready - earliest
+    with np.errstate(invalid="ignore"):
+        late_forward = forward - forward.min(axis=0)  # all-nan without forward stamps (manual optimization)
+    late = np.fmax(late_ready, late_forward)  # fmax: a missing point leaves the other
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-nan slice (no forward stamps) is expected
+        scores = np.nanmedian(late, axis=1)
+        data_scores = np.nanmedian(late_ready, axis=1)
+        step_s = float(np.nanmedian(np.diff(earliest))) if count >= 2 else math.nan
+    clean = tuple(float(s) if math.isfinite(s) else 0.0 for s in scores)
+    return WindowScores(clean, tuple(float(s) if math.isfinite(s) else 0.0 for s in data_scores), count, step_s)
+
+
+def _origin_errors(leaves: np.ndarray) -> np.ndarray:
+    """How far each rank's last leave time (its stamps' origin) sits from the common instant, on one scale.
+
+    ``leaves[r, k]``: when rank r left gather k, on its own clock. ``leaves[r, k] - leaves[0, k]`` is
+    rank r's clock offset plus gather k's exit noise; its median over the gathers is the offset alone.
+    What the last gather's difference has beyond it is that gather's exit error: add it back.
+    """
+    differences = leaves - leaves[0]
+    return differences[:, -1] - np.median(differences, axis=1)
+
+
+def threshold_s(fraction: float, step_s: float | None, floor: float = MIN_THRESHOLD_S) -> float:
+    """The lateness that names a straggler: ``fraction`` of the step time, never under ``floor``."""
+    if step_s is None or not math.isfinite(step_s) or step_s <= 0:
+        return floor
+    return max(floor, fraction * step_s)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One window's diagnosis."""
+
+    window: WindowScores
+    straggler: int | None
+    threshold_s: float
+    step_s: float | None  # the step time the threshold was a fraction of
+    streak: int  # consecutive windows (this one included) naming this straggler
+    warn: bool  # the streak just reached WARN_AFTER_WINDOWS
+
+    @property
+    def score_s(self) -> float:
+        return self.window.scores[self.straggler] if self.straggler is not None else max(self.window.scores)
+
+    @property
+    def side(self) -> str | None:
+        return self.window.side(self.straggler) if self.straggler is not None else None
+
+    def fact(self) -> dict[str, Any]:
+        """The fields of the ledger fact (``Timeline.fact("straggler", ...)``) the summary and report read."""
+        return {
+            "straggler": self.straggler,
+            "score_s": round(self.score_s, 6),
+            "side": self.side,
+            "scores": [round(s, 5) for s in self.window.scores],
+            "batches": self.window.batches,
+            "threshold_s": round(self.threshold_s, 6),
+            "step_s": round(self.step_s, 6) if self.step_s is not None and math.isfinite(self.step_s) else None,
+            "streak": self.streak,
+        }
+
+    def message(self) -> str:
+        assert self.straggler is not None
+        return (f"ETTMonitor: rank {self.straggler} is a straggler: the other ranks waited for it "
+                f"{1000 * self.score_s:.1f} ms per step ({self.side} side) for {self.streak} consecutive windows of "
+                f"{self.window.batches} steps (threshold {1000 * self.threshold_s:.1f} ms). See the `stragglers` entry "
+                "of ett_summary.json.")
+
+
+class StragglerTracker:
+    """Turns window scores into verdicts, and says when to warn (the same rank named in consecutive windows)."""
+
+    def __init__(self, fraction: float, floor: float = MIN_THRESHOLD_S, warn_after: int = WARN_AFTER_WINDOWS) -> None:
+        self.fraction = fraction
+        self.floor = floor
+        self.warn_after = warn_after
+        self.windows = 0
+        self.named: Counter[int] = Counter()  # windows each rank was named in
+        self.latest: Verdict | None = None
+        self._streak: tuple[int | None, int] = (None, 0)
+
+    def observe(self, window: WindowScores, ideal_step_s: float | None = None) -> Verdict:
+        """Judge one window. ``ideal_step_s`` (the job's ideal step) sets the threshold, else the window's step period."""
+        step_s = ideal_step_s if ideal_step_s is not None and ideal_step_s > 0 else window.step_s
+        limit = threshold_s(self.fraction, step_s, self.floor)
+        worst = max(range(len(window.scores)), key=window.scores.__getitem__)
+        straggler = worst if window.scores[worst] > limit else None
+        previous, streak = self._streak
+        streak = streak + 1 if straggler is not None and straggler == previous else (1 if straggler is not None else 0)
+        self._streak = (straggler, streak)
+        self.windows += 1
+        if straggler is not None:
+            self.named[straggler] += 1
+        self.latest = Verdict(window, straggler, limit, step_s if step_s is not None and math.isfinite(step_s) else None,
+                              streak, streak == self.warn_after)
+        return self.latest

@@ -1,0 +1,219 @@
+"""One live owner per directory: acquire, refuse naming the owner, take over stale owners, release only ours."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from lightning_ett.durable import ownership
+from lightning_ett.durable.ownership import (
+    DirectoryInUseError,
+    Owner,
+    OwnerLock,
+    StaleOwnerWarning,
+    process_alive,
+    process_start_ticks,
+    read_owner,
+)
+
+LOCK = ".ett-owner"
+
+
+def lock(tmp_path: Path, job_id: str = "job-b", attempt: int | None = None, **kwargs) -> OwnerLock:
+    return OwnerLock(tmp_path, LOCK, job_id, attempt, what=f"dir {str(tmp_path)!r}", fix="Pass another dir.", **kwargs)
+
+
+def plant(tmp_path: Path, age_s: float = 0.0, **fields) -> Owner:
+    """A lock file as another owner would have left it (by default: this host, a live process, now)."""
+    me = Owner.me("job-a", 0)
+    fields = {"pid": os.getppid(), "process_start": process_start_ticks(os.getppid()), **fields}
+    owner = replace(me, **fields)
+    path = tmp_path / LOCK
+    path.write_bytes(owner.to_bytes())
+    if age_s:
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+    return owner
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_acquire_writes_who_owns_the_directory_and_release_removes_it(tmp_path):
+    owner = lock(tmp_path, attempt=3)
+    assert owner.acquire() is None
+    held = read_owner(tmp_path / LOCK)
+    assert held is not None and held == owner.owner
+    raw = json.loads((tmp_path / LOCK).read_text())
+    assert raw["job_id"] == "job-b" and raw["pid"] == os.getpid() and raw["host"] == socket.gethostname()
+    assert raw["attempt"] == 3 and raw["process_start"] == process_start_ticks(os.getpid()) and raw["acquired"] > 0
+    owner.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp file left either
+    owner.release()  # twice is harmless
+
+
+def test_a_live_owner_refuses_a_second_one_naming_its_job_host_and_pid(tmp_path):
+    first = lock(tmp_path, job_id="job-a")
+    first.acquire()
+    try:
+        with pytest.raises(DirectoryInUseError) as refused:
+            lock(tmp_path).acquire()  # another object of this process: it does not hold the lock
+        message = str(refused.value)
+        assert f"dir {str(tmp_path)!r} is in use by job 'job-a'" in message
+        assert f"pid {os.getpid()} on host {socket.gethostname()!r}" in message
+        assert "Pass another dir." in message and str(tmp_path / LOCK) in message
+        planted_elsewhere = tmp_path / "other"
+        planted_elsewhere.mkdir()
+        plant(planted_elsewhere)  # the parent process: alive, on this host
+        with pytest.raises(DirectoryInUseError, match=f"pid {os.getppid()} on host"):
+            lock(planted_elsewhere).acquire()
+    finally:
+        first.release()
+    assert read_owner(tmp_path / LOCK) is None
+
+
+def test_an_owner_whose_process_is_gone_is_taken_over_with_a_warning(tmp_path):
+    gone = plant(tmp_path, pid=dead_pid(), process_start=None)
+    owner = lock(tmp_path)
+    with pytest.warns(StaleOwnerWarning, match=rf"taking over from job 'job-a' \(pid {gone.pid} .*process {gone.pid} is gone"):
+        assert owner.acquire() == gone
+    assert read_owner(tmp_path / LOCK) == owner.owner
+    owner.release()
+
+
+def test_a_reused_pid_is_not_the_owner(tmp_path):
+    # The pid lives, but it is a newer process than the one that took the lock.
+    plant(tmp_path, process_start=process_start_ticks(os.getppid()) - 1)
+    owner = lock(tmp_path)
+    with pytest.warns(StaleOwnerWarning, match="is gone"):
+        owner.acquire()
+    owner.release()
+
+
+def test_a_zombie_is_dead():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 10
+    while process_alive(proc.pid) and time.time() < deadline:  # exited, not reaped yet
+        time.sleep(0.02)
+    assert not process_alive(proc.pid)
+    proc.wait()
+    assert process_alive(os.getpid(), process_start_ticks(os.getpid()))
+
+
+def test_an_owner_on_another_host_lives_while_its_heartbeat_is_fresh(tmp_path):
+    plant(tmp_path, host="node-7", pid=4242, age_s=5)
+    with pytest.raises(DirectoryInUseError, match=r"pid 4242 on host 'node-7'.*last heartbeat was 5 s ago"):
+        lock(tmp_path, stale_after_s=60).acquire()
+    os.utime(tmp_path / LOCK, (time.time() - 90, time.time() - 90))
+    owner = lock(tmp_path, stale_after_s=60)
+    with pytest.warns(StaleOwnerWarning, match="no heartbeat for 90 s"):
+        owner.acquire()
+    owner.release()
+
+
+def test_the_previous_attempt_of_the_same_job_is_taken_over_quietly(tmp_path, recwarn):
+    plant(tmp_path, host="node-7", job_id="job-b", attempt=0)  # rank 0 of attempt 0 ran on another node
+    with pytest.raises(DirectoryInUseError):
+        lock(tmp_path, attempt=1).acquire()  # only where the caller says earlier attempts were stopped
+    with pytest.raises(DirectoryInUseError):
+        lock(tmp_path, attempt=0, earlier_attempts_are_stopped=True).acquire()  # the same attempt: another job
+    owner = lock(tmp_path, attempt=1, earlier_attempts_are_stopped=True)
+    assert owner.acquire() is not None
+    assert not [w for w in recwarn if issubclass(w.category, StaleOwnerWarning)]
+    owner.release()
+    plant(tmp_path, job_id="job-b", attempt=0)  # alive on this host: not a stopped attempt, whatever it says
+    with pytest.raises(DirectoryInUseError):
+        lock(tmp_path, attempt=1, earlier_attempts_are_stopped=True).acquire()
+
+
+def test_release_removes_only_its_own_lock(tmp_path):
+    owner = lock(tmp_path)
+    owner.acquire()
+    newer = plant(tmp_path, host="node-7")  # someone judged us stale and took over
+    owner.release()
+    assert read_owner(tmp_path / LOCK) == newer
+
+
+def test_the_heartbeat_refreshes_the_lock_and_says_when_it_was_lost(tmp_path):
+    owner = lock(tmp_path, heartbeat_s=0.05, stale_after_s=1)
+    owner.acquire()
+    try:
+        os.utime(tmp_path / LOCK, (time.time() - 30, time.time() - 30))
+        deadline = time.time() + 5
+        while time.time() - (tmp_path / LOCK).stat().st_mtime > 10 and time.time() < deadline:
+            time.sleep(0.02)
+        assert time.time() - (tmp_path / LOCK).stat().st_mtime < 10
+        with warnings.catch_warnings(record=True) as caught:  # (the heartbeat thread warns)
+            warnings.simplefilter("always")
+            (tmp_path / LOCK).unlink()
+            owner._thread.join(timeout=5)
+        assert any("was removed or replaced" in str(w.message) for w in caught), caught
+    finally:
+        owner.release()
+
+
+def test_an_unreadable_lock_is_taken_over_once_it_is_old(tmp_path):
+    (tmp_path / LOCK).write_text("garbage")
+    then = time.time() - 10
+    os.utime(tmp_path / LOCK, (then, then))
+    owner = lock(tmp_path)
+    with pytest.warns(StaleOwnerWarning, match="unreadable"):
+        owner.acquire()
+    owner.release()
+
+
+def test_without_hard_links_exclusive_creation_is_used(tmp_path, monkeypatch):
+    def no_links(*_):
+        raise OSError(ownership.errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(ownership.os, "link", no_links)
+    first = lock(tmp_path)
+    first.acquire()
+    with pytest.raises(DirectoryInUseError):
+        lock(tmp_path).acquire()
+    first.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+RACER = """
+import sys, time
+from lightning_ett.durable.ownership import DirectoryInUseError, OwnerLock
+directory, start = sys.argv[1], float(sys.argv[2])
+owner = OwnerLock(directory, ".ett-owner", "racer")
+time.sleep(max(start - time.time(), 0))
+try:
+    owner.acquire()
+    print("won", flush=True)
+except DirectoryInUseError:
+    print("refused", flush=True)
+time.sleep(1)  # the winner stays alive until every racer has tried
+"""
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["free", "stale owner"])
+def test_of_acquirers_racing_for_one_directory_exactly_one_wins(tmp_path, stale):
+    if stale:
+        plant(tmp_path, pid=dead_pid(), process_start=None)
+    start = time.time() + 0.7  # every racer has started by then
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), repr(start)], stdout=subprocess.PIPE,
+                               text=True, env=env) for _ in range(6)]
+    try:
+        said = sorted(racer.communicate(timeout=30)[0].strip() for racer in racers)
+    finally:
+        for racer in racers:
+            racer.kill()
+    assert said == ["refused"] * 5 + ["won"], said
