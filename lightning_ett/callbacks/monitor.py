@@ -304,9 +304,8 @@ class ETTMonitor(Callback):
     def live_metrics(self) -> dict[str, float]:
         """Rank zero's running ETT: earlier attempts (from the ledger) plus this attempt."""
         seconds = dict.fromkeys(PHASE_NAMES, 0.0)
-        job_start = self.context.job_start
+        job_start = self._job_start()
         if self._prior is not None:
-            job_start = min(job_start, self._prior.job_start)
             for phase, value in self._prior.phases.items():
                 seconds[phase] += value
         for phase, value in self._timeline.exclusive_s.items():

@@ -219,10 +219,8 @@ def _hang_options(args: argparse.Namespace) -> HangOptions:
         if not args.hang_step_factor > 0:
             raise ValueError(f"--hang-step-factor {args.hang_step_factor!r}: expected a number > 0, e.g. 10.")
         timeouts["step_factor"] = args.hang_step_factor
-    grace = 1.0 if args.hang_grace is None else args.hang_grace
-    if not grace >= 0:
-        raise ValueError(f"--hang-grace {args.hang_grace!r}: expected seconds >= 0, e.g. 1.")
-    return HangOptions(timeouts=HangTimeouts(**timeouts), grace_s=grace, enabled=args.hang_watch)
+    grace = {} if args.hang_grace is None else {"grace_s": args.hang_grace}  # HangOptions checks it, naming the flag
+    return HangOptions(timeouts=HangTimeouts(**timeouts), enabled=args.hang_watch, **grace)
 
 
 def build_parser(prog: str = "lightning-ett") -> argparse.ArgumentParser:

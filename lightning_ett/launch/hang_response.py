@@ -44,7 +44,7 @@ class HangOptions:
 
     def __post_init__(self) -> None:
         if not self.grace_s >= 0:
-            raise ValueError(f"--hang-grace {self.grace_s!r}: expected seconds >= 0.")
+            raise ValueError(f"--hang-grace {self.grace_s!r}: expected seconds >= 0, e.g. 1.")
 
 
 @dataclass(frozen=True)
