@@ -71,15 +71,20 @@ def _leaves(obj: Any) -> Iterable[Any]:
             yield from _leaves(value)
 
 
+def _parts(leaf: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind one leaf: a ShardedTensor's local shards, a DTensor's local tensor (TorchRec's 2D
+    tables: the shards of its local-shards wrapper, which has no storage of its own), or the tensor itself."""
+    if isinstance(leaf, ShardedTensor):
+        return [shard.tensor for shard in leaf.local_shards()]
+    if isinstance(leaf, DTensor):
+        return list(leaf._local_tensor.local_shards()) if _wraps_shards(leaf) else [leaf._local_tensor]
+    return [leaf]
+
+
 def _local_tensors(obj: Any) -> Iterable[torch.Tensor]:
     """Every plain tensor this rank holds in ``obj`` (ShardedTensor shards, DTensor local parts), in order."""
     for leaf in _leaves(obj):
-        if isinstance(leaf, ShardedTensor):
-            yield from (shard.tensor for shard in leaf.local_shards())
-        elif isinstance(leaf, DTensor):
-            yield leaf._local_tensor
-        else:
-            yield leaf
+        yield from _parts(leaf)
 
 
 def _signature(state: Any) -> list[tuple[Any, ...]]:
@@ -93,7 +98,7 @@ def _signature(state: Any) -> list[tuple[Any, ...]]:
             sig.append(("st", tuple(leaf.size()), leaf.dtype, leaf.device.type,
                         tuple((tuple(s.metadata.shard_offsets), tuple(s.tensor.shape)) for s in leaf.local_shards())))
         elif isinstance(leaf, DTensor):
-            sig.append(("dt", tuple(leaf.shape), tuple(leaf._local_tensor.shape), leaf.dtype, leaf.device.type))
+            sig.append(("dt", tuple(leaf.shape), tuple(tuple(p.shape) for p in _parts(leaf)), leaf.dtype, leaf.device.type))
         else:
             sig.append(("t", tuple(leaf.shape), leaf.dtype, leaf.device.type))
     return sig
@@ -123,14 +128,11 @@ class _Plan:
         self.late: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # (name, source, buffer, version)
 
     def pair(self, src: Any, name: str) -> Any:
-        if isinstance(src, ShardedTensor):
+        if isinstance(src, (ShardedTensor, DTensor)):
             dst = next(self._buffers)
-            for i, (a, b) in enumerate(zip(src.local_shards(), dst.local_shards(), strict=True)):
-                self._tensor(a.tensor, b.tensor, f"{name}[shard {i}]")
-            return dst
-        if isinstance(src, DTensor):
-            dst = next(self._buffers)
-            self._tensor(src._local_tensor, dst._local_tensor, name)
+            sources, buffers = _parts(src), _parts(dst)
+            for i, (a, b) in enumerate(zip(sources, buffers, strict=True)):
+                self._tensor(a, b, f"{name}[shard {i}]" if len(sources) > 1 else name)
             return dst
         if isinstance(src, torch.Tensor):
             dst = next(self._buffers)
@@ -256,6 +258,27 @@ def shared_memory_fits(nbytes: int, where: str = SHARED_MEMORY_DIR) -> bool:
     return False
 
 
+def _wraps_shards(leaf: Any) -> bool:
+    """A DTensor over a local-shards wrapper (TorchRec's own ``LocalShardsWrapper`` or torch's copy of it)."""
+    local = getattr(leaf, "_local_tensor", None) if isinstance(leaf, DTensor) else None
+    return hasattr(local, "local_shards") and hasattr(local, "local_offsets")
+
+
+def _shards_buffer(leaf: DTensor, pin_memory: bool, share_memory: bool) -> DTensor:
+    """A CPU copy's buffer for a DTensor over a local-shards wrapper (TorchRec's 2D tables).
+
+    DCP's ``_create_cpu_state_dict`` would replace the wrapper by one plain tensor of its
+    (global-looking) size, losing the shards and their offsets; here each shard gets its own
+    buffer and the wrapper is rebuilt around them, with the original DTensor spec (mesh,
+    placements, global shape), so DCP writes the same chunks from the copy.
+    """
+    local = leaf._local_tensor
+    shards = _create_cpu_state_dict(dict(enumerate(local.local_shards())), pin_memory=pin_memory,
+                                    share_memory=share_memory)
+    wrapper = type(local)([shards[i] for i in range(len(shards))], list(local.local_offsets()))
+    return DTensor(wrapper, leaf._spec, requires_grad=False)
+
+
 class Stager:
     """One set of staging buffers, reused by every save (bounded memory: one snapshot at a time)."""
 
@@ -296,8 +319,10 @@ class Stager:
         # memory lives in /dev/shm, which containers often cap (64 MiB by default): where the
         # buffers do not fit there, pinned alone it is, with a warning.
         shared = pin_memory and shared_memory_fits(state_nbytes(leaves))
-        created = _create_cpu_state_dict(dict(enumerate(leaves)), pin_memory=pin_memory, share_memory=shared)
-        self._buffers = [created[i] for i in range(len(leaves))]
+        created = _create_cpu_state_dict({i: leaf for i, leaf in enumerate(leaves) if not _wraps_shards(leaf)},
+                                         pin_memory=pin_memory, share_memory=shared)
+        self._buffers = [_shards_buffer(leaf, pin_memory, shared) if _wraps_shards(leaf) else created[i]
+                         for i, leaf in enumerate(leaves)]
         self._signature = signature
         self.nbytes = state_nbytes(self._buffers)
 

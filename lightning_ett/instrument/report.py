@@ -17,7 +17,15 @@ from rich.table import Table
 from lightning_ett.durable.files import atomic_write_bytes
 from lightning_ett.instrument.straggler_facts import straggler_line
 from lightning_ett.instrument.summary import Summary
-from lightning_ett.instrument.timeline import CADENCE_FACT, LOST, PHASE_NAMES, PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase
+from lightning_ett.instrument.timeline import (
+    CADENCE_FACT,
+    LOST,
+    PHASE_NAMES,
+    PUBLISH_ERROR_FACT,
+    PUBLISH_FACT,
+    SPARSE_2D_FACT,
+    Phase,
+)
 
 REPORT_PNG = "ett_report.png"
 
@@ -116,6 +124,14 @@ def _fact_lines(summary: Summary) -> list[str]:
         if errors:
             line += f"; {len(errors)} publish error(s), last at step {errors[-1].get('step')}: {errors[-1].get('error')}"
         lines.append(line)
+    sparse = summary.facts_named(SPARSE_2D_FACT)
+    if sparse:
+        f = sparse[-1]
+        per_sync = f"{1000 * f['sync_s'] / f['syncs']:.1f} ms each" if f["syncs"] else "none yet"
+        lines.append(f"2D sparse parallelism: tables sharded over groups of {f['sharding_group_size']} of "
+                     f"{f['world_size']} ranks ({f['replicas']} replicas of each shard), averaged every "
+                     f"{f['every_n_steps']} step(s): {f['syncs']} syncs of {f['payload_bytes'] / 2**20:.1f} MiB, "
+                     f"{per_sync} (rank 0; part of train)")
     straggler = straggler_line(summary.stragglers)
     if straggler:
         lines.append(straggler)

@@ -36,13 +36,14 @@ from typing_extensions import override
 from lightning_ett.checkpoint import sharded as ckpt
 from lightning_ett.durable.commit import retire
 from lightning_ett.instrument.background import BackgroundTask
-from lightning_ett.instrument.timeline import Phase, record_phase
+from lightning_ett.instrument.timeline import SPARSE_2D_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
     check_plan_covers,
+    check_plan_ranks,
     compute_plan,
     embedding_tables,
     plan_digest,
@@ -51,11 +52,22 @@ from lightning_ett.strategies.plan_cache import (
     validate_constraints,
 )
 from lightning_ett.strategies.process_group import default_backend, init_process_group
+from lightning_ett.strategies.replica_sync import ReplicaSync
 from lightning_ett.strategies.sharders import (
     FUSED_OPTIMIZERS,
     apply_fused_optimizer,
     check_fused_optimizer,
     default_sharders,
+)
+from lightning_ett.strategies.sparse_2d import (
+    ShardingGroups,
+    constraints_2d,
+    node_group_size,
+    shard_2d,
+    spread_over_replicas,
+    validate_2d_arguments,
+    validate_group_size,
+    validate_sharding_types,
 )
 
 #: Name of the communication-free start-up hook ETTStrategy calls on the LightningModule and
@@ -69,6 +81,15 @@ class ETTStrategy(ParallelStrategy):
     Start-up is shortened by creating the process group in a background thread while this
     rank builds the model (``configure_model``), plans the sharding locally (or loads a
     cached plan) and runs the ``setup_overlapped()`` hook of the module and datamodule.
+
+    With ``sharding_group_size=K`` (2D sparse parallelism) the tables are sharded within each
+    group of K ranks and the N/K groups are data-parallel replicas of each other, so each
+    step's embedding all-to-all spans K ranks instead of N; dense parameters stay
+    data-parallel over all N ranks. Every ``replica_sync_every_n_steps`` optimizer steps the
+    replicas of each table are averaged (weights and row-wise AdaGrad state, as TorchRec's
+    ``DMPCollection`` does; see :mod:`lightning_ett.strategies.replica_sync`). A checkpoint
+    holds one copy of each shard, so a save between syncs averages the replicas first. The
+    groups' process groups form in the overlapped start-up (``process_group_init``).
 
     Args:
         sharding_type: one sharding type for every table (``"table_wise"``, ``"row_wise"``,
@@ -86,6 +107,10 @@ class ETTStrategy(ParallelStrategy):
         planner_batch_size: per-rank batch size the planner's cost model assumes.
         overlap_startup: ``False`` runs the start-up parts one after the other (for comparison).
         process_group_backend: default ``nccl`` on GPUs, ``gloo`` on CPU.
+        sharding_group_size: ranks per sharding group K (a divisor of the world size N), or
+            ``None`` for 1D sharding over all ranks. K = N is 1D (with a warning). The
+            planner plans for K ranks (a given ``plan`` or ``topology`` must describe K ranks).
+        replica_sync_every_n_steps: optimizer steps between replica syncs (2D only).
     """
 
     def __init__(
@@ -107,8 +132,11 @@ class ETTStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        sharding_group_size: int | None = None,
+        replica_sync_every_n_steps: int = 1,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        validate_2d_arguments(sharding_group_size, replica_sync_every_n_steps, fused_optimizer)
         if sharding_type is not None and sharding_type not in SHARDING_TYPES:
             raise ValueError(f"ETTStrategy(sharding_type={sharding_type!r}): expected one of {list(SHARDING_TYPES)} or None.")
         if fused_optimizer not in FUSED_OPTIMIZERS:
@@ -134,6 +162,12 @@ class ETTStrategy(ParallelStrategy):
         self._dmp: DistributedModelParallel | None = None
         self._sigterm: sigterm.DeferredSigtermBroadcast | None = None
         self._patches = Patches()
+        self.sharding_group_size = sharding_group_size
+        self.replica_sync_every_n_steps = replica_sync_every_n_steps
+        self._group_size: int | None = None  # K in effect: None for 1D (also when K equals the world size)
+        self._resolved_for: int | None = None  # the world size _group_size was checked against
+        self._groups: ShardingGroups | None = None
+        self.replica_sync: ReplicaSync | None = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -167,7 +201,17 @@ class ETTStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._resolve_group_size()  # the first point where the world size is known: fail before any rank starts
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _resolve_group_size(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        if self._resolved_for == world_size:
+            return
+        self._group_size = validate_group_size(self.sharding_group_size, world_size)
+        if self._group_size is not None:
+            validate_sharding_types(self.sharding_type, self.constraints, self._group_size)
+        self._resolved_for = world_size
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -184,6 +228,7 @@ class ETTStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Lightning's launcher does not set it; TorchRec then assumes 8 ranks per host.
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(self.num_processes))
+        self._resolve_group_size()
         self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
         if self.overlap_startup:
             task = BackgroundTask(self._init_process_group, Phase.PROCESS_GROUP_INIT, name="ett-pg-init")
@@ -201,6 +246,8 @@ class ETTStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, self._process_group_backend, self.global_rank, self.world_size,
                            self.root_device, self._timeout)
+        if self._group_size is not None and self._groups is None:
+            self._groups = ShardingGroups.create(self._group_size, self.root_device.type, self.num_processes)
 
     def _startup_work(self) -> None:
         """Everything start-up needs that does not communicate: runs while the process group forms."""
@@ -227,14 +274,21 @@ class ETTStrategy(ParallelStrategy):
             self.plan_source = "none"
             return None
         constraints = self._constraints(tables)
+        planned_ranks = self._group_size or self.world_size  # 2D: the planner plans one sharding group
         if self._user_plan is not None:
             check_plan_covers(self._user_plan, tables, "ETTStrategy(plan=...)")
+            check_plan_ranks(self._user_plan, planned_ranks)
             self.plan_source = "user"
             return self._user_plan
         topology = self._user_topology or Topology(
-            world_size=self.world_size, compute_device=self.root_device.type, local_world_size=self.num_processes
+            world_size=planned_ranks, compute_device=self.root_device.type,
+            local_world_size=node_group_size(planned_ranks, self.num_processes),
         )
-        inputs = plan_inputs(tables, topology, self._sharders, constraints, self.planner_batch_size)
+        if topology.world_size != planned_ranks:
+            raise ValueError(f"ETTStrategy(topology=Topology(world_size={topology.world_size}, ...)): the planner plans "
+                             f"{planned_ranks} ranks here ({'the sharding group' if self._group_size else 'the world'}); "
+                             f"pass a Topology with world_size={planned_ranks}.")
+        inputs = plan_inputs(tables, topology, self._sharders, constraints, self.planner_batch_size, self._group_size)
         if self.plan_cache is not None:
             cached = self.plan_cache.load(inputs, tables)
             if cached is not None:
@@ -252,7 +306,7 @@ class ETTStrategy(ParallelStrategy):
         if self.sharding_type is not None:
             for name in tables:
                 constraints.setdefault(name, ParameterConstraints(sharding_types=[self.sharding_type]))
-        return constraints
+        return constraints_2d(constraints, tables) if self._group_size is not None else constraints
 
     def _check_ranks_agree_on_plan(self) -> None:
         """One tiny all-gather replaces the plan broadcast: catch ranks whose local plans differ."""
@@ -306,6 +360,12 @@ class ETTStrategy(ParallelStrategy):
         with record_phase(Phase.MODEL_INIT):
             if self.plan is not None:
                 apply_fused_optimizer(module, self.fused_optimizer, self.fused_optimizer_kwargs)
+            if self._groups is not None and self.plan is not None:
+                self.model = self._dmp = shard_2d(module, self.plan, self._groups, self.root_device, self._sharders)
+                self.replica_sync = ReplicaSync(self._dmp, self._groups.replica_pg, self._groups.num_replicas,
+                                                self.replica_sync_every_n_steps)
+                self.replica_sync.start_equal()  # (a checkpoint, if any, is loaded after this)
+                return
             self.model = self._dmp = DistributedModelParallel(
                 module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=self.root_device,
                 plan=self.plan or ShardingPlan({}), sharders=self._sharders, init_data_parallel=True, init_parameters=True,
@@ -330,6 +390,21 @@ class ETTStrategy(ParallelStrategy):
             if not any(group["params"] for group in optimizer.param_groups):
                 rank_zero_warn(f"ETTStrategy: {type(optimizer).__name__} from configure_optimizers holds only embedding "
                                "tables, which the fused optimizer already updates; it has nothing left to step.")
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.replica_sync is not None:
+            assert self.lightning_module is not None
+            # Lightning counts the step after the optimizer's: this one completes global step + 1.
+            self.replica_sync.after_optimizer_step(self.lightning_module.trainer.global_step + 1)
+        return output
+
+    def sync_replicas(self) -> None:
+        """2D: average the table replicas now unless they were at this step (collective on every rank)."""
+        if self.replica_sync is not None:
+            assert self.lightning_module is not None
+            self.replica_sync.sync(self.lightning_module.trainer.global_step)
 
     @property
     def fused_optimizer_instance(self) -> Any:
@@ -398,10 +473,13 @@ class ETTStrategy(ParallelStrategy):
         tells it that every rank must take part in the write.
         """
         assert self.model is not None
+        self.sync_replicas()  # 2D: a checkpoint holds one copy of each shard, the replicas' average
         tensors = {"model": checkpoint.pop(ckpt.MODEL_KEY, None) or self.model.state_dict()}
         fused = self.fused_optimizer_instance
         if fused is not None and ckpt.DENSE_KEY in checkpoint:  # a weights-only save carries no optimizer state
             tensors["fused"] = fused.state_dict()
+        if self._groups is not None:
+            tensors = spread_over_replicas(tensors, self._groups)  # each rank writes 1/N of the tables
         return tensors
 
     @override
@@ -437,6 +515,12 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.sync_replicas()  # 2D: what fit leaves behind (eval, predict, a final save) is one model
+        if self.replica_sync is not None and self._groups is not None and self.is_global_zero:
+            sync = self.replica_sync
+            get_timeline().fact(SPARSE_2D_FACT, sharding_group_size=self._groups.size, world_size=self._groups.world_size,
+                                replicas=self._groups.num_replicas, every_n_steps=sync.every_n_steps, syncs=sync.syncs,
+                                payload_bytes=sync.nbytes, sync_s=sync.seconds)
         if self._sigterm is not None:
             self._sigterm.flush()  # no asynchronous broadcast left outstanding
         self._patches.undo()

@@ -73,6 +73,7 @@ class PlanInputs:
     constraints: tuple[tuple[str, str], ...]
     batch_size: int
     torchrec_version: str
+    sharding_group_size: int | None = None  # 2D: the plan is for one group of this many ranks (None: 1D)
 
     @property
     def key(self) -> str:
@@ -86,6 +87,7 @@ def plan_inputs(
     sharders: list[ModuleSharder[nn.Module]],
     constraints: dict[str, ParameterConstraints],
     batch_size: int,
+    sharding_group_size: int | None = None,
 ) -> PlanInputs:
     import torchrec
 
@@ -102,6 +104,7 @@ def plan_inputs(
         constraints=tuple(sorted((name, repr(c)) for name, c in constraints.items())),
         batch_size=batch_size,
         torchrec_version=getattr(torchrec, "__version__", "unknown"),
+        sharding_group_size=sharding_group_size,
     )
 
 
@@ -133,6 +136,16 @@ def check_plan_covers(plan: ShardingPlan, tables: dict[str, Any], source: str) -
             f"The sharding plan from {source} does not match the model: tables missing from the plan {missing}, "
             f"tables in the plan but not in the model {extra}. Delete the plan (or pass one for these tables)."
         )
+
+
+def check_plan_ranks(plan: ShardingPlan, num_ranks: int) -> None:
+    """A given plan must place shards on the ranks the strategy plans for (2D: one sharding group)."""
+    used = {rank for module_plan in plan.plan.values() for sharding in module_plan.values()  # type: ignore[union-attr]
+            for rank in (sharding.ranks or [])}
+    if used and max(used) >= num_ranks:
+        raise ValueError(f"ETTStrategy(plan=...) places shards on ranks {sorted(used)}, but plans here are for "
+                         f"{num_ranks} ranks (ranks 0..{num_ranks - 1}; with sharding_group_size=K, one sharding group). "
+                         f"Plan for world_size={num_ranks}.")
 
 
 class PlanCache:

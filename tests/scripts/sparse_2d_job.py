@@ -1,0 +1,182 @@
+"""The example DLRM (examples/dlrm_example.py) on 4 real gloo ranks, 1D and 2D, for tests/distributed/test_sparse_2d.py.
+
+Several fits run one after the other in the same 4 processes (one process group, started once):
+``--fits`` is a JSON list of ``{"name", "k", "interval", "steps", "resume", "save", "digests"}``.
+Batches are made from (global step, rank) and learnable (the label depends on a dense feature
+and on the parity of the first id), so a resumed fit sees the data an uninterrupted one saw.
+Each fit writes OUT/<name>/rank<r>.pt: losses, the held-out loss, every tensor this rank holds
+(model and fused optimizer state, sharded tables by shard offset) at the start and at the end,
+and with ``digests`` a hash of those tensors after every step.
+
+``--launcher`` mode is one fit under ``lightning run``: AsyncCheckpoint, ModelPublisher and
+ETTMonitor, and rank 1 SIGKILLs itself once at ``--kill-at`` on the first attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, IterableDataset
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from examples.dlrm_example import DLRMModule
+from lightning_ett import AsyncCheckpoint, ETTMonitor, ETTStrategy, ModelPublisher
+
+ROWS, DIM, BATCH = 500, 8, 32
+EVAL_STEP = 99_999  # batches from here on are never trained on
+
+
+def make_batch(step: int, rank: int) -> Batch:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    dense = torch.randn(BATCH, len(DEFAULT_INT_NAMES), generator=g)
+    ids = torch.randint(0, ROWS, (len(DEFAULT_CAT_NAMES), BATCH), generator=g)
+    labels = ((dense[:, 0] + (ids[0] % 2).float() * 2 - 1) > 0).long()
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=DEFAULT_CAT_NAMES, values=ids.reshape(-1),
+                                              lengths=torch.ones(len(DEFAULT_CAT_NAMES) * BATCH, dtype=torch.int32))
+    return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+class Steps(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while True:
+            yield 0  # the module makes the batch from the step: the same data after a resume
+
+
+class StepBatchDLRM(DLRMModule):
+    """The example's module, fed by the step-keyed batches."""
+
+    kill_at: int | None = None
+
+    def __init__(self) -> None:
+        super().__init__(num_embeddings=ROWS, embedding_dim=DIM, dense_arch_layer_sizes=[16, DIM],
+                         over_arch_layer_sizes=[16, 1], learning_rate=0.05)
+        self.losses: list[float] = []
+
+    def training_step(self, _batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.kill_at == self.global_step and self.global_rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = super().training_step(make_batch(self.global_step, self.global_rank), batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def held_out_loss(self) -> float:
+        """Mean BCE on 4 unseen batches per rank, averaged over ranks (a collective forward on every rank)."""
+        with torch.no_grad():
+            losses = [self.loss(self(b), b.labels.float()) for b in (make_batch(EVAL_STEP + i, self.global_rank)
+                                                                      for i in range(4))]
+        mean = torch.stack(losses).mean().double()
+        dist.all_reduce(mean)
+        return float(mean) / dist.get_world_size()
+
+
+def local_tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor this rank holds in ``state``: sharded ones per shard, keyed ``name@offsets``."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(state, dict):
+        for key, value in state.items():
+            out.update(local_tensors(value, f"{prefix}{key}."))
+        return out
+    name = prefix[:-1]
+    if isinstance(state, ShardedTensor):
+        for shard in state.local_shards():
+            out[f"{name}@{tuple(shard.metadata.shard_offsets)}"] = shard.tensor.detach().clone()
+    elif isinstance(state, DTensor):
+        local = state._local_tensor
+        if hasattr(local, "local_shards"):  # TorchRec's LocalShardsWrapper
+            for tensor, offsets in zip(local.local_shards(), local.local_offsets()):
+                out[f"{name}@{tuple(offsets)}"] = tensor.detach().clone()
+        else:
+            out[name] = local.detach().clone()
+    elif isinstance(state, torch.Tensor):
+        out[name] = state.detach().clone()
+    return out
+
+
+def held_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    state = local_tensors(trainer.strategy.model.state_dict(), "model.")
+    fused = trainer.strategy.fused_optimizer_instance
+    if fused is not None:
+        state.update(local_tensors(fused.state_dict()["state"], "fused."))
+    return state
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for key in sorted(k for k in state if "embedding_bags" in k):  # the tables and their optimizer state
+        h.update(key.encode())
+        h.update(state[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Record(Callback):
+    """What the tests compare: the state right after set-up/restore, after each step (digests), at the end."""
+
+    def __init__(self, digests: bool) -> None:
+        self.digests = digests
+        self.start: dict[str, torch.Tensor] = {}
+        self.steps: list[tuple[int, str]] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.start = held_state(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self.digests:
+            self.steps.append((trainer.global_step, digest(held_state(trainer))))
+
+
+def run_fit(spec: dict[str, Any], out: Path, devices: int, launcher: dict[str, Any] | None) -> None:
+    seed_everything(0, workers=False, verbose=False)
+    strategy = ETTStrategy(sharding_type=spec.get("sharding_type", "table_wise"), sharding_group_size=spec.get("k"),
+                           replica_sync_every_n_steps=spec.get("interval", 1), fused_optimizer="row_wise_adagrad",
+                           fused_optimizer_kwargs={"lr": 0.05})
+    record = Record(bool(spec.get("digests")))
+    callbacks: list[Callback] = [record]
+    if launcher is not None:
+        callbacks += [ETTMonitor(), AsyncCheckpoint(launcher["ckpt_dir"], every_n_train_steps=launcher["every"], keep_last_n=2),
+                      ModelPublisher(launcher["publish_dir"], submodule="model", metrics=["loss"], strict=True)]
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=spec["steps"], logger=False,
+                      callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      num_sanity_val_steps=0, enable_checkpointing=launcher is not None)
+    model = StepBatchDLRM()
+    model.kill_at = spec.get("kill_at")
+    resume = str(out / spec["resume"] / "ckpt") if spec.get("resume") else None
+    trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=resume)
+    if spec.get("save"):
+        trainer.save_checkpoint(out / spec["name"] / "ckpt")
+    facts = {
+        "losses": model.losses, "held_out_loss": model.held_out_loss(), "global_step": trainer.global_step,
+        "start": record.start, "end": held_state(trainer), "digests": record.steps, "plan": str(strategy.plan),
+        "replica_syncs": strategy.replica_sync.syncs if strategy.replica_sync is not None else 0,
+        "replica_sync_bytes": strategy.replica_sync.nbytes if strategy.replica_sync is not None else 0,
+    }
+    (out / spec["name"]).mkdir(parents=True, exist_ok=True)
+    torch.save(facts, out / spec["name"] / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--fits", required=True, help="JSON list of fits (see the module docstring)")
+    p.add_argument("--launcher", default=None, help='JSON {"ckpt_dir", "every", "publish_dir"}: lightning run mode')
+    args = p.parse_args()
+    launcher = json.loads(args.launcher) if args.launcher else None
+    for spec in json.loads(args.fits):
+        run_fit(spec, args.out, args.devices, launcher)
+
+
+if __name__ == "__main__":
+    main()
