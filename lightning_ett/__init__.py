@@ -17,9 +17,11 @@ if TYPE_CHECKING:
         CompileCache,
         DynamicShapes,
         ETTMonitor,
+        FP8Probe,
         ModelPublisher,
         ModelPublishError,
     )
+    from lightning_ett.fp8.emulate import emulate_float8_training
     from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
     from lightning_ett.instrument.timeline import Phase, get_timeline, record_phase
     from lightning_ett.publish.artifact import load_published
@@ -30,7 +32,8 @@ __version__ = "0.1.0"
 _WHERE = {
     "AsyncCheckpoint": "lightning_ett.callbacks", "CheckpointWriteError": "lightning_ett.callbacks",
     "CompileCache": "lightning_ett.callbacks", "DynamicShapes": "lightning_ett.callbacks",
-    "ETTMonitor": "lightning_ett.callbacks", "ETTStrategy": "lightning_ett.strategies",
+    "ETTMonitor": "lightning_ett.callbacks", "ETTStrategy": "lightning_ett.strategies", "FP8Probe": "lightning_ett.callbacks",
+    "emulate_float8_training": "lightning_ett.fp8.emulate",
     "ModelPublisher": "lightning_ett.callbacks", "ModelPublishError": "lightning_ett.callbacks",
     "load_published": "lightning_ett.publish.artifact",
     "Summary": "lightning_ett.instrument.summary", "summarize": "lightning_ett.instrument.summary",
@@ -39,9 +42,9 @@ _WHERE = {
     "record_phase": "lightning_ett.instrument.timeline",
 }
 __all__ = [
-    "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy",
-    "ModelPublishError", "ModelPublisher", "Phase", "Summary", "get_timeline", "load_published", "record_phase",
-    "summarize", "summarize_run_dir",
+    "AsyncCheckpoint", "CheckpointWriteError", "CompileCache", "DynamicShapes", "ETTMonitor", "ETTStrategy", "FP8Probe",
+    "ModelPublishError", "ModelPublisher", "Phase", "Summary", "emulate_float8_training", "get_timeline", "load_published",
+    "record_phase", "summarize", "summarize_run_dir",
 ]
 
 

@@ -23,9 +23,10 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"durable", "instrument", "patching"},
     "publish": {"durable", "instrument", "checkpoint"},
     "watch": {"durable", "instrument"},
+    "fp8": {"durable", "instrument"},
     "launch": {"durable", "instrument", "watch"},
     "strategies": {"durable", "instrument", "patching", "checkpoint"},
-    "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "launch", "watch"},
+    "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "launch", "watch", "fp8"},
 }
 #: Third-party packages the instrument must not import (``lightning-ett report`` runs without them).
 HEAVY = ("lightning", "torchrec", "wandb", "torch", "fbgemm_gpu")

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.loggers import log_to_loggers
+from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, CadenceTracker, estimate_mtbf_s
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
@@ -387,7 +388,7 @@ class AsyncCheckpoint(Checkpoint):
         now = time.perf_counter()
         if self._verify_after is not None and trainer.global_step > self._verify_after:
             self._verify_last_snapshot(trainer)
-        if _accumulating(trainer):
+        if accumulating(trainer):
             self._report(trainer, self._writer.poll())
             return  # not a step boundary: gradients of this optimizer step are still being accumulated
         if self._batch_start is not None:
@@ -660,11 +661,6 @@ def _mutates_in_backward(trainer: pl.Trainer) -> bool:
     except ImportError:
         return False
     return any(isinstance(sub, FusedOptimizerModule) for m in modules for sub in m.modules())
-
-
-def _accumulating(trainer: pl.Trainer) -> bool:
-    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-    return bool(should_accumulate()) if callable(should_accumulate) else False
 
 
 class _DirectoryAwareIO(CheckpointIO):

@@ -19,6 +19,7 @@ from lightning_ett.instrument.straggler_facts import straggler_line
 from lightning_ett.instrument.summary import Summary
 from lightning_ett.instrument.timeline import (
     CADENCE_FACT,
+    FP8_FACT,
     LOST,
     PHASE_NAMES,
     PUBLISH_ERROR_FACT,
@@ -132,6 +133,12 @@ def _fact_lines(summary: Summary) -> list[str]:
                      f"{f['world_size']} ranks ({f['replicas']} replicas of each shard), averaged every "
                      f"{f['every_n_steps']} step(s): {f['syncs']} syncs of {f['payload_bytes'] / 2**20:.1f} MiB, "
                      f"{per_sync} (rank 0; part of train)")
+    fp8 = summary.facts_named(FP8_FACT)
+    if fp8:
+        f = fp8[-1]
+        lines.append(f"FP8-safe and eligible ({f['recipe']}): {f['safe_and_eligible']} of {f['layers']} layers, "
+                     f"{100 * f['flop_share']:.1f}% of GEMM FLOPs ({f['unsafe']} unsafe, {f['undecided']} undecided; "
+                     f"FP8Probe)")
     straggler = straggler_line(summary.stragglers)
     if straggler:
         lines.append(straggler)

@@ -1,0 +1,198 @@
+"""FP8Probe on real training, for tests/test_fp8_probe.py and tests/distributed/test_fp8_probe_ranks.py.
+
+Modes (each writes OUT/result.json, or OUT/rank<r>.json with several ranks):
+
+* ``probe``: ``--model`` (the planted-outlier MLP of examples/fp8_outliers.py, or the example DLRM
+  in one process) trained with ``FP8Probe`` for ``--steps`` (with ``--baseline``, also the same fit
+  without it, same data, before it unless ``--probe-first``): training-loop times, the
+  probe's results and overhead, the layers its ``module_filter_fn`` selects and those torchao's
+  ``convert_to_float8_training`` converts with it; ``--run-dir`` adds ETTMonitor, ``--wandb-dir``
+  a WandbLogger (offline).
+* ``train``: the same model trained three times, with FP8 emulated (``emulate_float8_training``)
+  on no layer, on the layers a probe run found safe (``--results``), and on all; then each one's
+  loss on 16 unseen batches.
+* ``dlrm``: the example DLRM under ETTStrategy on ``--devices`` gloo ranks with FP8Probe; every
+  rank writes the probe's results, its own raw samples and its local sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import nn
+
+from examples.fp8_outliers import OutlierBatches, OutlierData, OutlierMLP
+from lightning_ett import ETTMonitor, FP8Probe, emulate_float8_training
+
+
+def make(name: str) -> tuple[Any, Any]:
+    """A fresh model and its data: the planted-outlier MLP, or the example DLRM (one process, tables unsharded)."""
+    if name == "planted":
+        return OutlierMLP(), OutlierData()
+    from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
+
+    return DLRMModule(num_embeddings=5000), RandomCriteoDataModule(batch_size=512, num_embeddings=5000)
+
+
+def held_out_loss(name: str, model: Any) -> float:
+    """The loss on 16 batches never trained on."""
+    if name == "planted":
+        batches = (OutlierBatches(batch_size=256, outlier_scale=1e5, seed=99, rank=0).batch(i) for i in range(16))
+        with torch.no_grad():
+            losses = [float(nn.functional.mse_loss(model(x), y)) for x, y in batches]
+        return sum(losses) / len(losses)
+    from examples.dlrm_example import RandomCriteoDataModule
+
+    data = RandomCriteoDataModule(batch_size=512, num_embeddings=5000, num_val_batches=16, seed=99)
+    with torch.no_grad():
+        losses = [float(model.loss(model(b), b.labels.float())) for b in data._dataset(16, 99)]
+    return sum(losses) / len(losses)
+
+
+def trainer(steps: int, callbacks: list[Any], loggers: Any = False, **kw: Any) -> Trainer:
+    return Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=loggers, callbacks=callbacks,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+class LoopTimer(Callback):
+    """The training loop's time, from its first step to its end (start-up and the end-of-fit reports excluded),
+    and each step's."""
+
+    def __init__(self) -> None:
+        self.start = self.seconds = self._step_start = 0.0
+        self.step_s: list[float] = []
+
+    def on_train_start(self, *args: Any) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.step_s.append(time.perf_counter() - self._step_start)
+
+    def on_train_end(self, *args: Any) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def time_hooks(fp8_probe: FP8Probe) -> list[float]:
+    """Time the probe's two per-step hooks in place (both, every step): a list the fit fills, one entry per step."""
+    per_step: list[float] = []
+    start_hook, end_hook = fp8_probe.on_train_batch_start, fp8_probe.on_train_batch_end
+
+    def on_start(*a: Any, **k: Any) -> None:
+        began = time.perf_counter()
+        start_hook(*a, **k)
+        per_step.append(time.perf_counter() - began)
+
+    def on_end(*a: Any, **k: Any) -> None:
+        began = time.perf_counter()
+        end_hook(*a, **k)
+        per_step[-1] += time.perf_counter() - began
+
+    fp8_probe.on_train_batch_start, fp8_probe.on_train_batch_end = on_start, on_end  # type: ignore[method-assign]
+    return per_step
+
+
+def timed_fit(steps: int, callbacks: list[Any], model: Any, data: Any, loggers: Any = False) -> LoopTimer:
+    timer = LoopTimer()
+    trainer(steps, [timer, *callbacks], loggers).fit(model, datamodule=data)  # its step clock starts first
+    return timer
+
+
+def probe(args: argparse.Namespace) -> dict[str, Any]:
+    """With ``FP8Probe(**--probe-args)`` and (``--baseline``) without; ``--run-dir``/``--wandb-dir``: the probed fit only."""
+    seed_everything(0, verbose=False)
+    without = timed_fit(args.steps, [], *make(args.model)) if args.baseline and not args.probe_first else None
+    fp8_probe = FP8Probe(**json.loads(args.probe_args))
+    hook_s = time_hooks(fp8_probe)
+    callbacks: list[Any] = [fp8_probe]
+    loggers: Any = False
+    if args.run_dir:
+        callbacks.append(ETTMonitor(run_dir=args.run_dir, report_on_end=False))
+    if args.wandb_dir:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers = [WandbLogger(project="fp8-test", save_dir=args.wandb_dir, offline=True)]
+    seed_everything(0, verbose=False)
+    model, data = make(args.model)
+    with_probe = timed_fit(args.steps, callbacks, model, data, loggers)
+    if args.baseline and args.probe_first:
+        seed_everything(0, verbose=False)
+        without = timed_fit(args.steps, [], *make(args.model))
+    selected = [fqn for fqn, m in model.named_modules() if fp8_probe.module_filter_fn()(m, fqn)]
+    from torchao.float8 import convert_to_float8_training
+
+    converted = convert_to_float8_training(make(args.model)[0], module_filter_fn=fp8_probe.module_filter_fn())
+    return {"results": fp8_probe.results, "overhead": fp8_probe.overhead, "samples_taken": fp8_probe.samples_taken,
+            "loop_s_without": without.seconds if without else None, "loop_s_with": with_probe.seconds,
+            "step_s_with": with_probe.step_s, "sampled_steps": fp8_probe.sampled_steps, "hook_s": hook_s, "selected": selected,
+            "summary_line": fp8_probe.summary_line(),
+            "converted": sorted(fqn for fqn, m in converted.named_modules() if type(m).__name__ == "Float8Linear")}
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """The same model, seed and data with FP8 emulated on no layer, on the probe's safe layers, and on all."""
+    safe = {fqn for fqn, r in json.loads(Path(args.results).read_text())["results"].items() if r["verdict"] == "safe"}
+    filters: dict[str, Any] = {"none": lambda m, fqn: False, "safe": lambda m, fqn: fqn in safe, "all": None}
+    out: dict[str, Any] = {}
+    for name, module_filter in filters.items():
+        seed_everything(0, verbose=False)
+        model, data = make(args.model)
+        swapped = emulate_float8_training(model, module_filter)
+        trainer(args.steps, []).fit(model, datamodule=data)
+        out[name] = {"swapped": swapped, "held_out_loss": held_out_loss(args.model, model)}
+    return out
+
+
+def dlrm(args: argparse.Namespace) -> None:
+    from torchrec.datasets.criteo import DEFAULT_INT_NAMES
+
+    from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
+    from lightning_ett import ETTStrategy
+
+    seed_everything(0, verbose=False)
+    fp8_probe = FP8Probe(every_n_steps=5, max_overhead=0.5)
+    t = Trainer(accelerator="cpu", devices=args.devices, strategy=ETTStrategy(sharding_type="table_wise"),
+                max_steps=args.steps, logger=False, callbacks=[fp8_probe, ETTMonitor(run_dir=args.run_dir, report_on_end=False)],
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                num_sanity_val_steps=0)
+    model = DLRMModule(num_embeddings=1000, embedding_dim=16, dense_arch_layer_sizes=[64, 16],
+                       over_arch_layer_sizes=[64, 32, 1])
+    t.fit(model, datamodule=RandomCriteoDataModule(batch_size=128, num_embeddings=1000, num_train_batches=args.steps + 5))
+    out = {"results": fp8_probe.results, "samples": {f: list(r.samples) for f, r in fp8_probe._records.items()},
+           "local": {f: r.verdict.to_list() for f, r in fp8_probe._records.items()}, "dense": len(DEFAULT_INT_NAMES),
+           "threshold": fp8_probe.sqnr_threshold_db, "confidence": fp8_probe.confidence}
+    Path(args.out, f"rank{t.global_rank}.json").write_text(json.dumps(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["probe", "train", "dlrm"])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--results", default=None)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--wandb-dir", default=None)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--probe-args", default="{}", help="JSON keyword arguments of FP8Probe (probe mode)")
+    p.add_argument("--baseline", action="store_true", help="probe mode: also the same fit without the probe, timed")
+    p.add_argument("--probe-first", action="store_true", help="probe mode: the probed fit before the baseline")
+    p.add_argument("--model", choices=["planted", "dlrm"], default="planted")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "dlrm":
+        dlrm(args)
+        return
+    result = probe(args) if args.mode == "probe" else train(args)
+    (args.out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
