@@ -142,3 +142,21 @@ def test_the_verdict_follows_the_confidence_bound():
     for value in (25.0, 24.5, 25.5):
         stats.add(value)
     assert stats.verdict(20.0, 0.95) == "safe" and stats.verdict(30.0, 0.95) == "unsafe"
+
+
+def test_a_restored_probe_carries_its_samples_on(tmp_path):
+    from examples.fp8_outliers import OutlierData, OutlierMLP
+
+    def fit(probe: FP8Probe) -> None:
+        Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path).fit(OutlierMLP(), OutlierData())
+
+    first = FP8Probe(every_n_steps=10, max_overhead=0.9, include=["planted"])
+    fit(first)
+    assert first.results["planted"]["samples"] >= 2
+    second = FP8Probe(every_n_steps=10, max_overhead=0.9, include=["planted"])
+    second.load_state_dict(first.state_dict())  # what Lightning does on resume (every rank; rank 0's sums count)
+    fit(second)
+    # The restored sums decided the layer already: the second fit takes no sample and keeps the verdict and statistics.
+    assert second.samples_taken == first.samples_taken and second.sampled_steps == []
+    assert second.results["planted"] == first.results["planted"]

@@ -152,10 +152,12 @@ class FP8Probe(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
         if restored and trainer.global_rank == 0:  # every rank loaded rank 0's sums: one copy of them counts
+            kernels = restored.get("kernels", {})
             for fqn, vector in restored.get("records", {}).items():
                 if fqn in self._records:
                     record = self._records[fqn]
-                    self._records[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, [vector])
+                    self._records[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, [vector],
+                                                                  kernels.get(fqn, ""))
 
     # ------------------------------------------------------------------ sampling
     def _undecided(self) -> list[str]:
@@ -336,7 +338,8 @@ class FP8Probe(Callback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"records": {f: r.to_vector() for f, r in self._records.items()}, "next_sample_step": self.next_sample_step,
+        return {"records": {f: r.to_vector() for f, r in self._records.items()},
+                "kernels": {f: r.kernel for f, r in self._records.items()}, "next_sample_step": self.next_sample_step,
                 "probe_s": self.probe_s, "train_s": self.train_s, "train_steps": self.train_steps,
                 "samples_taken": self.samples_taken}
 
