@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,9 @@ def job(*args: str, timeout: float = 300) -> dict:
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """The planted model trained 3000 steps without and then with FP8Probe() at its defaults, same data."""
+    """The planted model trained 3000 steps with FP8Probe() at its defaults."""
     out = tmp_path_factory.mktemp("fp8-probe")
-    return job("probe", "--baseline", "--out", str(out)), out
+    return job("probe", "--out", str(out)), out
 
 
 def test_the_planted_layer_is_unsafe_and_the_ordinary_ones_safe_within_the_default_budget(probed):
@@ -58,10 +59,14 @@ def test_the_planted_layer_is_unsafe_and_the_ordinary_ones_safe_within_the_defau
 def test_the_probe_stays_within_its_overhead_budget(probed):
     result, _ = probed
     assert 0 < result["overhead"] <= 0.02 * 1.5, result["overhead"]  # its own timers: hooks and GEMMs
-    # And from outside, the same training loop without the probe: one pair of 3000-step loops differs by up to ~15 %
-    # between two runs on this 2-core VM, so the margin is only against gross errors (a probe sampling every step
-    # would cost ~15x). The figure itself: benchmarks/fp8_probe.py, alternating rounds.
-    assert result["loop_s_with"] <= result["loop_s_without"] * 1.5, (result["loop_s_with"], result["loop_s_without"])
+    # The same cost from the training loop's own step clock: the sampled steps' extra time over a typical step.
+    # (A whole loop with / without the probe moves by +-15 % between identical runs on this 2-core VM; that
+    # comparison, over alternating rounds, is benchmarks/fp8_probe.py's.)
+    steps, sampled = result["step_s_with"], set(result["sampled_steps"])
+    assert len(sampled) == result["samples_taken"] >= 3
+    typical = statistics.median(s for i, s in enumerate(steps) if i not in sampled)
+    extra = sum(steps[i] - typical for i in sampled)
+    assert extra / sum(steps) <= 0.02 * 1.5, extra / sum(steps)
 
 
 def test_the_results_go_to_the_run_dir_the_report_and_wandb(tmp_path):

@@ -24,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "publish": {"durable", "instrument", "checkpoint"},
     "watch": {"durable", "instrument"},
     "fp8": {"durable", "instrument"},
-    "launch": {"durable", "instrument", "watch"},
+    "launch": {"durable", "instrument", "watch", "tune"},
+    "tune": {"durable", "instrument", "checkpoint"},
     "strategies": {"durable", "instrument", "patching", "checkpoint"},
     "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "launch", "watch", "fp8"},
 }

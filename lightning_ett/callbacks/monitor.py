@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_ett.callbacks.loggers import health_metrics, log_breakdown, log_to_loggers, share_wandb_run
 from lightning_ett.callbacks.startup import StartupProbe
 from lightning_ett.callbacks.stragglers import StragglerProbe
+from lightning_ett.compile.shapes import batch_size
 from lightning_ett.durable.errors import explain
 from lightning_ett.instrument.compile_events import compile_tracker
 from lightning_ett.instrument.environment import (
@@ -31,7 +32,7 @@ from lightning_ett.instrument.environment import (
 from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.step_health import RollingETT, StepHealth
 from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
-from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, Phase, Timeline, get_timeline, record_phase
+from lightning_ett.instrument.timeline import BATCH_FACT, LOST, PHASE_NAMES, Phase, Timeline, get_timeline, record_phase
 from lightning_ett.launch.faults import (
     faults_from_env,
     hang_collective_group,
@@ -236,6 +237,7 @@ class ETTMonitor(Callback):
         self._stragglers.on_batch_start(trainer, self._health)  # stamps `ready` first
         if self._step_start is None:
             self._step_start = self._training_began = self._close(Phase.DATA_INIT, self._mark)
+            self._timeline.fact(BATCH_FACT, samples=batch_size(batch), step=trainer.global_step)  # throughput's unit
         if self._last_step is not None:  # clean: nothing but its own event was recorded since it began
             seconds, records = self._last_step
             self._health.add(seconds, clean=self._timeline.recorded - records == 1)

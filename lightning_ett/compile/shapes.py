@@ -1,14 +1,36 @@
-"""Mark the batch dimension of everything in a batch dynamic, before Dynamo specializes on it."""
+"""What is in a batch: its tensors, its size, and marking its batch dimension dynamic before Dynamo specializes on it."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 _MAX_DEPTH = 6
+
+
+def batch_leaves(batch: Any) -> Iterator[Any]:
+    """The tensors and KeyedJaggedTensors in ``batch`` — inside dicts, lists, tuples and dataclasses such as
+    TorchRec's ``Batch`` — in order, to a bounded depth."""
+
+    def visit(obj: Any, depth: int) -> Iterator[Any]:
+        if depth > _MAX_DEPTH or obj is None:
+            return
+        if isinstance(obj, torch.Tensor) or _is_kjt(obj):
+            yield obj
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                yield from visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from visit(v, depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                yield from visit(getattr(obj, f.name), depth + 1)
+
+    yield from visit(batch, 0)
 
 
 def mark_batch_dynamic(batch: Any, batch_dim: int = 0) -> int:
@@ -27,27 +49,24 @@ def mark_batch_dynamic(batch: Any, batch_dim: int = 0) -> int:
             torch._dynamo.maybe_mark_dynamic(t, dim)
             marked += 1
 
-    def visit(obj: Any, depth: int) -> None:
-        if depth > _MAX_DEPTH or obj is None:
-            return
-        if isinstance(obj, torch.Tensor):
-            mark(obj, batch_dim)
-        elif _is_kjt(obj):
-            for t in (obj.values(), obj.lengths(), obj.weights_or_none(), obj.offsets_or_none()):
+    for leaf in batch_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            mark(leaf, batch_dim)
+        else:
+            for t in (leaf.values(), leaf.lengths(), leaf.weights_or_none(), leaf.offsets_or_none()):
                 if t is not None:
                     mark(t, 0)  # jagged: the flat dimension varies with the batch and the id counts
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                visit(v, depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                visit(v, depth + 1)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for f in dataclasses.fields(obj):
-                visit(getattr(obj, f.name), depth + 1)
-
-    visit(batch, 0)
     return marked
+
+
+def batch_size(batch: Any, batch_dim: int = 0) -> int | None:
+    """Samples in ``batch``: ``batch_dim`` of its first tensor (a KeyedJaggedTensor's stride); ``None`` without one."""
+    for leaf in batch_leaves(batch):
+        if not isinstance(leaf, torch.Tensor):
+            return int(leaf.stride())
+        if leaf.dim() > batch_dim:
+            return int(leaf.shape[batch_dim])
+    return None
 
 
 def _is_kjt(obj: Any) -> bool:

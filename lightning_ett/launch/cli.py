@@ -1,4 +1,5 @@
-"""``lightning-ett`` / ``lightning`` command line: ``run`` starts a job, ``report`` reads its ledger back.
+"""``lightning-ett`` / ``lightning`` command line: ``run`` starts a job, ``report`` reads its ledger back, ``tune``
+searches a script's knobs.
 
 Argument checks happen here, before torch is imported, so a typo fails in a fraction of a
 second with the option named.
@@ -233,6 +234,9 @@ def build_parser(prog: str = "lightning-ett") -> argparse.ArgumentParser:
         "--now", action="store_true", help="For a running job: count wall time up to now, not the last event."
     )
     report.set_defaults(func=_report)
+    from lightning_ett.tune import cli as tune_cli  # (its heavy imports wait until a tune runs)
+
+    tune_cli.add_parser(sub)
     return parser
 
 
@@ -246,7 +250,14 @@ def _normalize(argv: Sequence[str] | None) -> list[str]:
 
 def main(argv: Sequence[str] | None = None, prog: str = "lightning-ett") -> int:
     """Run a command; as the process's entry point (``argv`` None), ``run`` exits without interpreter teardown."""
-    args = build_parser(prog).parse_args(_normalize(argv))
+    argv_list = _normalize(argv)
+    parser = build_parser(prog)
+    if argv_list[:1] == ["tune"]:  # tune's unknown arguments are the script's
+        from lightning_ett.tune import cli as tune_cli
+
+        args, script_args = parser.parse_known_args(argv_list)
+        return tune_cli.run(args, [a for a in script_args if a != "--"])
+    args = parser.parse_args(argv_list)
     code = args.func(args)
     if argv is None and args.command == "run":
         _exit_now(code)

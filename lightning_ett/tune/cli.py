@@ -1,0 +1,212 @@
+"""``lightning-ett tune``: check everything that can be checked, then search, then write what was found.
+
+Before any trial: the space parses and no option has an empty list; the budget covers the
+initial sample; ``--out`` is writable (and, resumed, holds a tune of the same space and
+settings); every option name exists in the script's LightningCLI configuration (read with the
+script's own ``--print_config``, close matches listed); ``--objective ett`` has its hours and a
+script that checkpoints with AsyncCheckpoint. A trial then adds ETTMonitor when the script's
+configuration has none (its ledger is the measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from rich.console import Console
+
+from lightning_ett.durable.files import writable_dir_error
+from lightning_ett.tune.measure import Measurement
+from lightning_ett.tune.objective import OBJECTIVES, score
+from lightning_ett.tune.space import Space, SpaceError, key
+from lightning_ett.tune.trials import Trial, TrialLog, TrialRunner, absolute_paths
+
+if TYPE_CHECKING:
+    from lightning_ett.tune.search import RoundReport
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+ETT_MONITOR = "lightning_ett.ETTMonitor"
+
+
+class TuneError(ValueError):
+    """Bad input, found before any trial ran."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    tune = sub.add_parser(
+        "tune", help="Find the fastest settings of a LightningCLI script's knobs in a few real trials, with an ML proxy.",
+        description="Each trial is `lightning run` of SCRIPT for --steps steps with one configuration of the options "
+        "in --space; a gradient-boosting proxy trained on the trials picks the next ones. Arguments after `--`, and "
+        "any this command does not know, go to SCRIPT (its LightningCLI subcommand, `fit`, is added if missing).",
+    )
+    tune.add_argument("script", metavar="SCRIPT", help="A LightningCLI script (e.g. examples/dlrm_example.py).")
+    tune.add_argument("--space", required=True, metavar="SPACE.yaml",
+                      help="LightningCLI option names mapped to the values to try, e.g. `data.batch_size: [256, 512]`.")
+    tune.add_argument("--budget", required=True, type=int, metavar="N", help="Trials to run, in all.")
+    tune.add_argument("--steps", required=True, type=int, metavar="M", help="Training steps per trial.")
+    tune.add_argument("--out", required=True, metavar="DIR", help="trials.json, best.yaml, tune_report.png, trial dirs. "
+                      "Run again with the same DIR to continue a tune.")
+    tune.add_argument("--devices", type=int, default=1, metavar="D", help="Processes per trial (default 1).")
+    tune.add_argument("--objective", choices=OBJECTIVES, default="throughput",
+                      help="throughput: training samples/s; ett: the ETT%% a --job-hours job failing every "
+                      "--mtbf-hours would reach with the trial's start-up and checkpoint costs.")
+    tune.add_argument("--job-hours", type=float, default=None, help="--objective ett: the job's training hours.")
+    tune.add_argument("--mtbf-hours", type=float, default=None, help="--objective ett: hours between failures.")
+    tune.add_argument("--seed", type=int, default=0, help="Seeds the initial sample, exploration and the proxy.")
+    tune.add_argument("--per-round", type=int, default=3, metavar="K",
+                      help="Trials per round after the initial sample: K-1 the proxy ranks best, 1 at random (default 3).")
+    tune.add_argument("--trial-timeout", type=float, default=1800.0, metavar="SECONDS",
+                      help="A trial running longer is stopped and counts as failed (default 1800).")
+
+
+def run(args: argparse.Namespace, script_args: list[str]) -> int:
+    from lightning_ett.tune.search import search  # scikit-learn and SciPy: only for this command
+
+    console = Console()
+    try:
+        plan = prepare(args, script_args)
+    except (TuneError, SpaceError, PermissionError) as err:
+        print(f"lightning-ett tune: {err}", file=sys.stderr)
+        return 2
+    space, runner, log, header = plan
+    objective = partial(_objective, objective=args.objective, job_hours=args.job_hours, mtbf_hours=args.mtbf_hours)
+    console.print(f"lightning-ett tune: {space.size} configurations, budget {args.budget} "
+                  f"({len(log.trials)} done already), initial sample {space.initial_size}, {args.steps} steps per trial")
+
+    def on_trial(t: Trial) -> None:
+        shown = f"{args.objective} {t.objective:.4g}" if t.objective is not None else f"[red]failed[/red]: {t.reason}"
+        predicted = f" (proxy predicted {t.predicted:.4g})" if t.predicted is not None else ""
+        console.print(f"trial {t.index} (round {t.round}, {t.seconds:.0f} s): {t.config} → {shown}{predicted}")
+
+    def on_round(r: RoundReport) -> None:
+        rho = f"{r.cv_spearman:.2f}" if r.cv_spearman is not None else "n/a (< 3 trials, or constant)"
+        best = f"{r.best:.4g}" if r.best is not None else "none yet"
+        console.print(f"[bold]round {r.round}[/bold]: {r.trials} trials, best {args.objective} {best}; proxy "
+                      f"leave-one-out Spearman {rho}")
+
+    rounds = search(space, runner, objective, log, args.budget, seed=args.seed, per_round=args.per_round,
+                    log_target=args.objective == "throughput", header=header, on_trial=on_trial, on_round=on_round)
+    return finish(space, log, rounds, Path(args.out), args.objective, args.seed, console)
+
+
+def finish(space: Space, log: TrialLog, rounds: list[RoundReport], out: Path, objective: str, seed: int,
+           console: Console) -> int:
+    from lightning_ett.tune.report import print_table, write_best, write_png, write_predictions
+    from lightning_ett.tune.search import final_predictions, ok_trials
+
+    ok = ok_trials(log)
+    done = {t.key for t in log.trials}
+    untried = [c for c in space.configurations() if key(c) not in done][:5000]
+    tried, predicted = final_predictions(space, log, seed, objective == "throughput", untried)
+    print_table(log, objective, tried, predicted, console)
+    write_png(out, log, rounds, tried, objective)
+    write_predictions(out, tried, predicted)
+    if not ok:
+        console.print("[red]lightning-ett tune: no trial succeeded; see the failures above.[/red]")
+        return 1
+    best = max(ok, key=lambda t: t.objective)  # type: ignore[arg-type, return-value]
+    path = write_best(out, best.config, objective, best.objective)  # type: ignore[arg-type]
+    console.print(f"best: trial {best.index} {best.config} → {objective} {best.objective:.4g}; {path} "
+                  f"(pass it with --config after the script's own)")
+    return 0
+
+
+def _objective(measurements: dict[str, Any], objective: str, job_hours: float | None,
+               mtbf_hours: float | None) -> float | None:
+    return score(Measurement(**measurements), objective, job_hours, mtbf_hours)
+
+
+def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, TrialRunner, TrialLog, dict[str, Any]]:
+    """Every check that needs no trial; raises :class:`TuneError` (or SpaceError, PermissionError)."""
+    for name, value, low in (("--budget", args.budget, 1), ("--steps", args.steps, 1), ("--devices", args.devices, 1),
+                             ("--per-round", args.per_round, 1)):
+        if value < low:
+            raise TuneError(f"{name} {value}: expected an integer >= {low}.")
+    space = Space.load(args.space)
+    if args.budget < space.initial_size:
+        raise TuneError(f"--budget {args.budget} is smaller than the initial sample ({space.initial_size} trials: every "
+                        f"value of every option once); give --budget {space.initial_size} or more.")
+    if args.objective == "ett":
+        for name, value in (("--job-hours", args.job_hours), ("--mtbf-hours", args.mtbf_hours)):
+            if value is None or not value > 0:
+                raise TuneError(f"--objective ett needs {name} > 0 (got {value}).")
+    script = Path(args.script).resolve()
+    if not script.is_file():
+        raise TuneError(f"SCRIPT {args.script!r} is not a file.")
+    out = Path(args.out).resolve()
+    error = writable_dir_error(out, "lightning-ett tune(--out")
+    if error is not None:
+        raise error
+    script_args = absolute_paths(list(script_args), Path.cwd())
+    if not script_args or script_args[0] not in SUBCOMMANDS:
+        script_args = ["fit", *script_args]
+    config = print_config(script, script_args)
+    check_options(space, config, script)
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    classes = [c.get("class_path", "") if isinstance(c, dict) else str(c) for c in callbacks]
+    if not any(c.endswith("ETTMonitor") for c in classes):
+        script_args.append(f"--trainer.callbacks+={ETT_MONITOR}")
+    if args.objective == "ett" and not any(c.endswith("AsyncCheckpoint") for c in classes):
+        raise TuneError("--objective ett needs the script to checkpoint with lightning_ett.AsyncCheckpoint (its measured "
+                        "save cost is one of the objective's terms); add it to the script's callbacks.")
+    header = {"script": str(script), "script_args": script_args, "space": space.options, "objective": args.objective,
+              "steps": args.steps, "devices": args.devices, "seed": args.seed, "job_hours": args.job_hours,
+              "mtbf_hours": args.mtbf_hours}
+    log = TrialLog(out)
+    _check_same_tune(log, header)
+    runner = TrialRunner(script, script_args, args.steps, args.devices, out, args.trial_timeout)
+    return space, runner, log, header
+
+
+def _check_same_tune(log: TrialLog, header: dict[str, Any]) -> None:
+    if not log.trials:
+        return
+    import json
+
+    before = json.loads(log.path.read_text())
+    differs = [k for k in ("script", "space", "objective", "steps", "devices", "seed") if before.get(k) != header[k]]
+    if differs:
+        raise TuneError(f"--out {str(log.path.parent)!r} holds a tune with another {', '.join(differs)}; continue it with "
+                        "the same settings, or give another --out.")
+
+
+def print_config(script: Path, script_args: list[str]) -> dict[str, Any]:
+    """The script's full LightningCLI configuration with these arguments (its own ``--print_config``)."""
+    proc = subprocess.run([sys.executable, str(script), *script_args, "--print_config"], capture_output=True, text=True,
+                          timeout=600, check=False)
+    if proc.returncode != 0:
+        raise TuneError(f"`{script.name} {' '.join(script_args)} --print_config` failed, so its options cannot be "
+                        f"checked:\n{proc.stderr.strip()[-2000:]}")
+    try:
+        config = yaml.safe_load(proc.stdout)
+    except yaml.YAMLError as err:
+        raise TuneError(f"`{script.name} --print_config` printed no YAML ({err}); is it a LightningCLI script?") from err
+    if not isinstance(config, dict):
+        raise TuneError(f"`{script.name} --print_config` printed no configuration; is it a LightningCLI script?")
+    return config
+
+
+def option_names(config: Any, prefix: str = "") -> list[str]:
+    names = []
+    if isinstance(config, dict):
+        for k, v in config.items():
+            name = f"{prefix}{k}"
+            names.append(name)
+            names += option_names(v, name + ".")
+    return names
+
+
+def check_options(space: Space, config: dict[str, Any], script: Path) -> None:
+    known = option_names(config)
+    for option in space.options:
+        if option not in known:
+            close = difflib.get_close_matches(option, known, n=4, cutoff=0.6)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise TuneError(f"--space: {option!r} is not an option of {script.name}'s LightningCLI.{hint} (Its options "
+                            f"are listed by `{script.name} fit --print_config`.)")

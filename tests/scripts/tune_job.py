@@ -1,0 +1,55 @@
+"""A LightningCLI script whose throughput depends on its knobs in a known way, for tests/test_tune.py.
+
+Each step sleeps ``step_ms(extra_layers, width)`` milliseconds (the model's "compute"), so the
+fastest configuration and the order of all of them are known in advance: fewer extra layers
+first, then narrower. ``extra_layers=5`` with ``width=64`` is an invalid combination: the model
+refuses it, as a real one might run out of memory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def step_ms(extra_layers: int, width: int) -> float:
+    return 4.0 + 6.0 * extra_layers + {16: 0.0, 32: 3.0, 64: 8.0}[width]
+
+
+class Knobs(LightningModule):
+    def __init__(self, extra_layers: int = 0, width: int = 16) -> None:
+        super().__init__()
+        if extra_layers == 5 and width == 64:
+            raise ValueError("extra_layers=5 needs width <= 32 (this model's invalid combination)")
+        self.extra_layers, self.width = extra_layers, width
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), *[torch.nn.Linear(width, width) for _ in range(extra_layers)],
+                                       torch.nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        time.sleep(step_ms(self.extra_layers, self.width) / 1000)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Data(LightningDataModule):
+    def __init__(self, batch_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(4096, 8, generator=g), torch.randn(4096, 1, generator=g)),
+                          batch_size=self.batch_size)
+
+
+if __name__ == "__main__":
+    LightningCLI(Knobs, Data, trainer_defaults={"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+                                                "enable_progress_bar": False, "enable_model_summary": False},
+                 save_config_callback=None)

@@ -1,0 +1,147 @@
+"""`lightning-ett tune` on a LightningCLI script whose throughput depends on its knobs in a known way (real trials)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import SCRIPTS, run_script
+from scipy.stats import spearmanr
+
+from lightning_ett.tune.space import Space, SpaceError, cli_arguments, config_fragment, key
+
+SCRIPT = str(SCRIPTS / "tune_job.py")
+SPACE = {"model.extra_layers": [0, 1, 2, 3, 4, 5], "model.width": [16, 32, 64]}
+BEST = {"model.extra_layers": 0, "model.width": 16}
+
+
+def step_ms(config: dict) -> float:  # tune_job.py's known cost
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    from tune_job import step_ms as cost
+
+    return cost(config["model.extra_layers"], config["model.width"])
+
+
+def tune(out: Path, space: Path, *args: str) -> tuple[int, str]:
+    proc = run_script("-m", "lightning_ett.launch.cli", "tune", SCRIPT, "--space", str(space), "--steps", "20", "--out",
+                      str(out), *args, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
+    """A tune interrupted after its initial sample (budget 6), then continued to budget 8 with the same --out."""
+    root = tmp_path_factory.mktemp("tune")
+    space = root / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE))
+    out = root / "out"
+    code, said = tune(out, space, "--budget", "6")
+    assert code == 0, said[-3000:]
+    first = json.loads((out / "trials.json").read_text())["trials"]
+    logs = {t["index"]: os.stat(Path(t["run_dir"]) / "trial.log").st_mtime_ns for t in first}
+    code, said = tune(out, space, "--budget", "8")
+    assert code == 0, said[-3000:]
+    return out, said, {"first": first, "logs": logs}
+
+
+def test_tune_finds_the_known_best_and_writes_a_best_yaml_that_runs(tuned, tmp_path):
+    out, said, _ = tuned
+    trials = json.loads((out / "trials.json").read_text())["trials"]
+    ok = [t for t in trials if t["outcome"] == "ok"]
+    best = max(ok, key=lambda t: t["objective"])
+    assert best["config"] == BEST, best
+    assert yaml.safe_load((out / "best.yaml").read_text()) == {"model": {"extra_layers": 0, "width": 16}}
+    assert (out / "tune_report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Top configurations by measured throughput" in said and "leave-one-out Spearman" in said
+    for t in ok:  # measured from each trial's own ETT ledger, under lightning run
+        m = t["measurements"]
+        assert m["throughput"] > 0 and m["startup_s"] > 0 and Path(t["run_dir"], "run", "ledger").is_dir()
+        assert abs(m["step_s"] * 1000 - step_ms(t["config"])) < 0.6 * step_ms(t["config"]) + 5  # the sleep it was told
+    # best.yaml is a LightningCLI config fragment: it loads with --config and runs.
+    proc = run_script(SCRIPT, "fit", "--config", str(out / "best.yaml"), "--trainer.max_steps", "3", "--print_config",
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["model"]["extra_layers"] == 0 and printed["model"]["width"] == 16
+    proc = run_script(SCRIPT, "fit", "--config", str(out / "best.yaml"), "--trainer.max_steps", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_failing_trial_is_recorded_with_its_reason_and_the_search_goes_on(tuned):
+    out, _, _ = tuned
+    trials = json.loads((out / "trials.json").read_text())["trials"]
+    failed = [t for t in trials if t["outcome"] == "failed"]
+    assert [t["config"] for t in failed] == [{"model.extra_layers": 5, "model.width": 64}]  # in the initial sample
+    assert "extra_layers=5 needs width <= 32" in failed[0]["reason"] and failed[0]["objective"] is None
+    assert len(trials) == 8 and failed[0]["index"] < max(t["index"] for t in trials)  # trials ran after it
+
+
+def test_a_resumed_tune_skips_the_trials_it_has_and_runs_only_the_rest(tuned):
+    out, said, state = tuned
+    trials = json.loads((out / "trials.json").read_text())["trials"]
+    assert trials[:6] == state["first"]  # the first six, unchanged
+    for index, mtime in state["logs"].items():  # and not run again
+        assert os.stat(Path(trials[index]["run_dir"]) / "trial.log").st_mtime_ns == mtime
+    assert "(6 done already)" in said
+    assert len({key(t["config"]) for t in trials}) == 8 and all(t["round"] >= 1 for t in trials[6:])
+
+
+def test_the_proxy_ranks_the_untried_configurations_in_the_known_order(tuned):
+    out, _, _ = tuned
+    predictions = json.loads((out / "predictions.json").read_text())
+    untried = {k: v for k, v in predictions["untried"].items() if json.loads(k) != {"model.extra_layers": 5, "model.width": 64}}
+    assert len(untried) >= 8
+    measured_order = [-step_ms(json.loads(k)) for k in untried]  # fewer ms per step: more throughput
+    rho = spearmanr(list(untried.values()), measured_order).statistic
+    assert rho >= 0.8, (rho, untried)
+
+
+@pytest.mark.parametrize(("space", "args", "message"), [
+    ({"model.extra_layer": [0, 1]}, ["--budget", "4"], "'model.extra_layer' is not an option.*Did you mean 'model.extra_layers'"),
+    ({"model.width": []}, ["--budget", "4"], "'model.width' has an empty list"),
+    ({"model.width": [16, 32, 64]}, ["--budget", "2"], r"--budget 2 is smaller than the initial sample \(3 trials"),
+    ({"model.width": [16, 32]}, ["--budget", "3", "--objective", "ett"], "--objective ett needs --job-hours"),
+])
+def test_bad_input_fails_before_any_trial(tmp_path, space, args, message):
+    import re
+
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    code, said = tune(tmp_path / "out", path, *args)
+    assert code == 2 and re.search(message, said), said[-2000:]
+    assert not list((tmp_path / "out").glob("trial-*"))  # no trial ran
+
+
+def test_an_unwritable_out_fails_before_any_trial(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"model.width": [16, 32]}))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code, said = tune(blocker / "out", path, "--budget", "2")
+    assert code == 2 and "--out=" in said and "is not writable" in said, said[-2000:]
+
+
+def test_space_parsing_features_and_fragments():
+    space = Space.from_mapping({"data.batch_size": [128, 256, 1024], "model.compile_dense": [True, False],
+                                "trainer.strategy.init_args.sharding_type": ["table_wise", "row_wise"]})
+    assert space.size == 12 and space.initial_size == 3
+    config = {"data.batch_size": 256, "model.compile_dense": True, "trainer.strategy.init_args.sharding_type": "row_wise"}
+    assert space.features(config) == [8.0, 1.0, 0.0, 1.0]  # log2, bool, one-hot
+    assert cli_arguments(config) == ["--data.batch_size", "256", "--model.compile_dense", "true",
+                                     "--trainer.strategy.init_args.sharding_type", "row_wise"]
+    assert config_fragment(config) == {"data": {"batch_size": 256}, "model": {"compile_dense": True},
+                                       "trainer": {"strategy": {"init_args": {"sharding_type": "row_wise"}}}}
+    import random
+
+    design = space.initial_design(random.Random(0))
+    for option, values in space.options.items():  # every value of every option at least once
+        assert {c[option] for c in design} >= set(values) or len(values) > len(design)
+    with pytest.raises(SpaceError, match="lists a value twice"):
+        Space.from_mapping({"data.batch_size": [1, 1]})
+    with pytest.raises(SpaceError, match="not `--data.batch_size`"):
+        Space.from_mapping({"--data.batch_size": [1, 2]})
