@@ -30,9 +30,9 @@ def job(*args: str, timeout: float = 300) -> dict:
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """The planted model trained 3000 steps with FP8Probe() at its defaults."""
+    """The planted model trained 3000 steps with FP8Probe() at its defaults, ETTMonitor and a WandbLogger (offline)."""
     out = tmp_path_factory.mktemp("fp8-probe")
-    return job("probe", "--out", str(out)), out
+    return job("probe", "--out", str(out), "--run-dir", str(out / "run"), "--wandb-dir", str(out)), out
 
 
 def test_the_planted_layer_is_unsafe_and_the_ordinary_ones_safe_within_the_default_budget(probed):
@@ -69,10 +69,8 @@ def test_the_probe_stays_within_its_overhead_budget(probed):
     assert extra / sum(steps) <= 0.02 * 1.5, extra / sum(steps)
 
 
-def test_the_results_go_to_the_run_dir_the_report_and_wandb(tmp_path):
-    out = tmp_path
-    result = job("probe", "--steps", "600", "--probe-args", json.dumps({"every_n_steps": 20, "max_overhead": 0.5}),
-                 "--out", str(out), "--run-dir", str(out / "run"), "--wandb-dir", str(out))
+def test_the_results_go_to_the_run_dir_the_report_and_wandb(probed):
+    result, out = probed
     written = json.loads((out / "run" / "fp8_probe.json").read_text())
     assert written["layers"] == result["results"] and written["summary"] == result["summary_line"]
     (fact,) = summarize_run_dir(out / "run").facts_named("fp8_probe")
