@@ -14,7 +14,7 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-deps -r requirements/cpu.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, fbgemm_gpu, torchrec, lightning, wandb; print('lightning-ett env ok: torch', torch.__version__)"
+	$(PY) -c "import torch, fbgemm_gpu, torchrec, lightning, wandb, torchao, sklearn; print('lightning-ett env ok: torch', torch.__version__)"
 	touch $(STAMP)
 
 # Main job: the TorchRec DLRM example on 2 CPU processes (gloo), W&B offline unless WANDB_API_KEY is set.

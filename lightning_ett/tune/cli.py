@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from rich.console import Console
 
-from lightning_ett.durable.files import writable_dir_error
+from lightning_ett.durable.files import atomic_write_text, writable_dir_error
 from lightning_ett.tune.measure import Measurement
 from lightning_ett.tune.objective import OBJECTIVES, score
 from lightning_ett.tune.space import Space, SpaceError, key
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from lightning_ett.tune.search import RoundReport
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SCRIPT_CONFIG_FILE = "script_config.yaml"
 ETT_MONITOR = "lightning_ett.ETTMonitor"
 
 
@@ -146,7 +147,7 @@ def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, Tr
     script_args = absolute_paths(list(script_args), Path.cwd())
     if not script_args or script_args[0] not in SUBCOMMANDS:
         script_args = ["fit", *script_args]
-    config = print_config(script, script_args)
+    config = script_config(out, script, script_args)
     check_options(space, config, script)
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
     classes = [c.get("class_path", "") if isinstance(c, dict) else str(c) for c in callbacks]
@@ -174,6 +175,18 @@ def _check_same_tune(log: TrialLog, header: dict[str, Any]) -> None:
     if differs:
         raise TuneError(f"--out {str(log.path.parent)!r} holds a tune with another {', '.join(differs)}; continue it with "
                         "the same settings, or give another --out.")
+
+
+def script_config(out: Path, script: Path, script_args: list[str]) -> dict[str, Any]:
+    """The script's configuration, printed once per tune: ``DIR/script_config.yaml`` serves a resumed one."""
+    cached = out / SCRIPT_CONFIG_FILE
+    if cached.exists():
+        saved = yaml.safe_load(cached.read_text()) or {}
+        if saved.get("script") == str(script) and saved.get("script_args") == script_args:
+            return saved["config"]
+    config = print_config(script, script_args)
+    atomic_write_text(cached, yaml.safe_dump({"script": str(script), "script_args": script_args, "config": config}))
+    return config
 
 
 def print_config(script: Path, script_args: list[str]) -> dict[str, Any]:
