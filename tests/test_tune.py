@@ -14,12 +14,17 @@ from scipy.stats import spearmanr
 from lightning_ett.tune.space import Space, SpaceError, cli_arguments, config_fragment, key
 
 SCRIPT = str(SCRIPTS / "tune_job.py")
-SPACE = {"model.extra_layers": [0, 1, 2, 3], "model.width": [16, 32, 64]}
-INVALID = {"model.extra_layers": 0, "model.width": 64}
-BEST = {"model.extra_layers": 0, "model.width": 16}
+# 24 configurations: BUDGET trials leave 15 untried for the proxy to rank (the batch size multiplies throughput).
+SPACE = {"model.extra_layers": [0, 1, 2, 3], "model.width": [16, 32, 64], "data.batch_size": [16, 32]}
+BEST = {"model.extra_layers": 0, "model.width": 16, "data.batch_size": 32}
+BUDGET = 9
 
 
-def step_ms(config: dict) -> float:  # tune_job.py's known cost
+def invalid(config: dict) -> bool:  # tune_job.py refuses it
+    return config["model.extra_layers"] == 0 and config["model.width"] == 64
+
+
+def step_ms(config: dict) -> float:  # tune_job.py's known cost, whatever the batch size
     import sys
 
     sys.path.insert(0, str(SCRIPTS))
@@ -36,7 +41,7 @@ def tune(out: Path, space: Path, *args: str) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
-    """A tune interrupted after its initial sample (budget 4), then continued to budget 8 with the same --out."""
+    """A tune interrupted after its initial sample (budget 4), then continued to BUDGET with the same --out."""
     root = tmp_path_factory.mktemp("tune")
     space = root / "space.yaml"
     space.write_text(yaml.safe_dump(SPACE))
@@ -45,7 +50,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
     assert code == 0, said[-3000:]
     first = json.loads((out / "trials.json").read_text())["trials"]
     logs = {t["index"]: os.stat(Path(t["run_dir"]) / "trial.log").st_mtime_ns for t in first}
-    code, said = tune(out, space, "--budget", "8")
+    code, said = tune(out, space, "--budget", str(BUDGET))
     assert code == 0, said[-3000:]
     return out, said, {"first": first, "logs": logs}
 
@@ -56,7 +61,8 @@ def test_tune_finds_the_known_best_and_writes_a_best_yaml_that_runs(tuned, tmp_p
     ok = [t for t in trials if t["outcome"] == "ok"]
     best = max(ok, key=lambda t: t["objective"])
     assert best["config"] == BEST, best
-    assert yaml.safe_load((out / "best.yaml").read_text()) == {"model": {"extra_layers": 0, "width": 16}}
+    assert yaml.safe_load((out / "best.yaml").read_text()) == {"model": {"extra_layers": 0, "width": 16},
+                                                               "data": {"batch_size": 32}}
     assert (out / "tune_report.png").read_bytes()[:4] == b"\x89PNG"
     assert "Top configurations by measured throughput" in said and "leave-one-out Spearman" in said
     for t in ok:  # measured from each trial's own ETT ledger, under lightning run
@@ -66,7 +72,8 @@ def test_tune_finds_the_known_best_and_writes_a_best_yaml_that_runs(tuned, tmp_p
     # best.yaml is a LightningCLI config fragment: it loads with --config (with the values it names) and runs.
     proc = run_script(SCRIPT, "fit", "--config", str(out / "best.yaml"), "--print_config", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert yaml.safe_load(proc.stdout)["model"] == {"extra_layers": 0, "width": 16}
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["model"] == {"extra_layers": 0, "width": 16} and printed["data"] == {"batch_size": 32}
     proc = run_script(SCRIPT, "fit", "--config", str(out / "best.yaml"), "--trainer.max_steps", "3", cwd=tmp_path)
     assert proc.returncode == 0 and "`max_steps=3` reached" in proc.stderr, proc.stderr[-2000:]
 
@@ -75,9 +82,9 @@ def test_a_failing_trial_is_recorded_with_its_reason_and_the_search_goes_on(tune
     out, _, _ = tuned
     trials = json.loads((out / "trials.json").read_text())["trials"]
     failed = [t for t in trials if t["outcome"] == "failed"]
-    assert [t["config"] for t in failed] == [INVALID]  # in the initial sample
-    assert "width=64 needs extra_layers >= 1" in failed[0]["reason"] and failed[0]["objective"] is None
-    assert len(trials) == 8 and failed[0]["index"] < max(t["index"] for t in trials)  # trials ran after it
+    assert failed and all(invalid(t["config"]) for t in failed) and failed[0]["round"] == 0  # one in the initial sample
+    assert all("width=64 needs extra_layers >= 1" in t["reason"] and t["objective"] is None for t in failed)
+    assert len(trials) == BUDGET and failed[0]["index"] < max(t["index"] for t in trials)  # trials ran after it
 
 
 def test_a_resumed_tune_skips_the_trials_it_has_and_runs_only_the_rest(tuned):
@@ -87,16 +94,16 @@ def test_a_resumed_tune_skips_the_trials_it_has_and_runs_only_the_rest(tuned):
     for index, mtime in state["logs"].items():  # and not run again
         assert os.stat(Path(trials[index]["run_dir"]) / "trial.log").st_mtime_ns == mtime
     assert "(4 done already)" in said
-    assert len({key(t["config"]) for t in trials}) == 8 and all(t["round"] >= 1 for t in trials[4:])
+    assert len({key(t["config"]) for t in trials}) == BUDGET and all(t["round"] >= 1 for t in trials[4:])
 
 
 def test_the_proxy_ranks_the_untried_configurations_in_the_known_order(tuned):
     out, _, _ = tuned
     predictions = json.loads((out / "predictions.json").read_text())
-    untried = {k: v for k, v in predictions["untried"].items() if json.loads(k) != INVALID}
-    assert len(untried) >= 3
-    measured_order = [-step_ms(json.loads(k)) for k in untried]  # fewer ms per step: more throughput
-    rho = spearmanr(list(untried.values()), measured_order).statistic
+    untried = {k: v for k, v in predictions["untried"].items() if not invalid(json.loads(k))}
+    assert len(untried) >= 12
+    known = [json.loads(k)["data.batch_size"] / step_ms(json.loads(k)) for k in untried]  # samples per ms
+    rho = spearmanr(list(untried.values()), known).statistic
     assert rho >= 0.8, (rho, untried)
 
 

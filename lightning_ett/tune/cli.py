@@ -61,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--mtbf-hours", type=float, default=None, help="--objective ett: hours between failures.")
     tune.add_argument("--seed", type=int, default=0, help="Seeds the initial sample, exploration and the proxy.")
     tune.add_argument("--per-round", type=int, default=3, metavar="K",
-                      help="Trials per round after the initial sample: K-1 the proxy ranks best, 1 at random (default 3).")
+                      help="Trials per round after the initial sample: K-1 the proxy ranks best, 1 to explore (default 3).")
     tune.add_argument("--trial-timeout", type=float, default=1800.0, metavar="SECONDS",
                       help="A trial running longer is stopped and counts as failed (default 1800).")
 

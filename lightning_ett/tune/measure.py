@@ -52,7 +52,11 @@ def measure(run_dir: Path, steps: int) -> Measurement:
     failure = next((a.failure for a in reversed(summary.attempts) if a.failure), None)
     if summary.outcome not in (None, "finished") or failure:
         return Measurement(False, failure or summary.outcome, phases=summary.phases)
-    ledgers = [lg for lg in read_ledger(run_dir) if lg.attempt == max(lg.attempt for lg in read_ledger(run_dir))]
+    every = read_ledger(run_dir)
+    if not every:
+        return Measurement(False, f"no rank ledger in {str(run_dir)!r}", phases=summary.phases)
+    last_attempt = max(lg.attempt for lg in every)
+    ledgers = [lg for lg in every if lg.attempt == last_attempt]
     warmup = max(3, steps // 10)
     throughput, step_times, counted, first_step = 0.0, [], 0, None
     for ledger in ledgers:
@@ -60,7 +64,8 @@ def measure(run_dir: Path, steps: int) -> Measurement:
         compiles = [(e["start"], e["end"]) for e in ledger.events if e["phase"] == Phase.COMPILE.value]
         train = [e for e in ledger.events if e["phase"] == Phase.TRAIN.value and e.get("step") is not None]
         if train:
-            first_step = min(first_step or train[0]["start"], min(e["start"] for e in train))
+            starts = min(e["start"] for e in train)
+            first_step = starts if first_step is None else min(first_step, starts)
         steady = [e["end"] - e["start"] for e in train if e["step"] >= warmup
                   and not any(s < e["end"] and e["start"] < end for s, end in compiles)]
         if not steady or not samples:

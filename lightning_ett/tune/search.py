@@ -3,9 +3,10 @@
 1. Run the initial design (:meth:`Space.initial_design`: every value of every option at least once).
 2. Fit the proxy on the trials that succeeded; predict every untried configuration (a uniform
    sample of them in a big space).
-3. Run the ``per_round - 1`` most promising and one untried configuration drawn at random
-   (exploration: a proxy fitted on a handful of points is confidently wrong about regions it
-   has not seen).
+3. Run the ``per_round - 1`` most promising and one more for exploration (a proxy fitted on
+   a handful of points is confidently wrong about regions it has not seen): while some option
+   value has no successful trial yet (its trial in the initial sample failed), the most
+   promising untried configuration with such a value; otherwise one drawn at random.
 4. Report the proxy's cross-validated rank correlation; refit; repeat until ``budget`` trials ran.
 
 Trials already in the log (a resumed tune) count towards the budget and are not run again.
@@ -103,8 +104,22 @@ def _picks(space: Space, untried: list[Config], ok: list[Trial], per_round: int,
     chosen = order[: max(per_round - 1, 1)]
     rest = order[len(chosen):]
     if rest and per_round > 1:
-        chosen.append(rng.choice(rest))
+        unseen = _uncovered(space, [t.config for t in ok] + [untried[i] for i in chosen])
+        filling = [i for i in rest if any(untried[i][name] in values for name, values in unseen.items())]
+        chosen.append(filling[0] if filling else rng.choice(rest))  # the best-predicted one that fills a gap
     return [(untried[i], predicted[i]) for i in chosen]
+
+
+def _uncovered(space: Space, configs: list[Config]) -> dict[str, list]:
+    """Each option's values that no successful trial (nor pick) has: a failed trial in the initial sample leaves
+    its values unseen, and the proxy cannot extrapolate to a value it never saw (a stump splits between seen ones)."""
+    unseen = {}
+    for name, values in space.options.items():
+        seen = {key({name: c[name]}) for c in configs}
+        missing = [v for v in values if key({name: v}) not in seen]
+        if missing:
+            unseen[name] = missing
+    return unseen
 
 
 def final_predictions(space: Space, log: TrialLog, seed: int = 0, log_target: bool = True,

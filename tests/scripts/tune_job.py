@@ -1,9 +1,10 @@
 """A LightningCLI script whose throughput depends on its knobs in a known way, for tests/test_tune.py.
 
 Each step sleeps ``step_ms(extra_layers, width)`` milliseconds (the model's "compute"), so the
-fastest configuration and the order of all of them are known in advance: fewer extra layers
-first, then narrower. ``extra_layers=0`` with ``width=64`` is an invalid combination: the model
-refuses it, as a real one might run out of memory.
+fastest configuration and the order of all of them are known in advance: throughput is the
+batch size over that step (more samples per step, fewer extra layers, narrower).
+``extra_layers=0`` with ``width=64`` is an invalid combination: the model refuses it, as a real
+one might run out of memory.
 """
 
 from __future__ import annotations
