@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,24 @@ def test_space_parsing_features_and_fragments():
         Space.from_mapping({"data.batch_size": [1, 1]})
     with pytest.raises(SpaceError, match="not `--data.batch_size`"):
         Space.from_mapping({"--data.batch_size": [1, 2]})
+
+
+def test_a_value_whose_only_trial_failed_is_explored_next_round(tmp_path):
+    """The search itself (no script): a failed trial in the initial sample leaves its values unseen by the proxy;
+    the next round's exploration runs the most promising configuration that has them, not a random one."""
+    from lightning_ett.tune.search import search
+    from lightning_ett.tune.trials import TrialLog
+
+    space = Space.from_mapping({"a": [0, 1, 2, 3], "b": ["x", "y", "z"], "c": [True, False]})
+    first = space.initial_design(random.Random(0))[0]
+
+    def evaluate(index, config):  # the first configuration of the initial sample fails
+        if config == first:
+            return "refused", {}, 0.0, None
+        return None, {"throughput": 100.0 / (1 + config["a"])}, 0.0, None  # known effect of a
+
+    log = TrialLog(tmp_path)
+    search(space, evaluate, lambda m: m.get("throughput"), log, space.initial_size + 3, seed=0)
+    initial = [t for t in log.trials if t.round == 0]
+    assert initial[0].outcome == "failed" and first["a"] not in {t.config["a"] for t in initial[1:]}
+    assert any(t.round == 1 and t.outcome == "ok" and t.config["a"] == first["a"] for t in log.trials)  # filled in round 1
