@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPTS, run_script
+from conftest import SCRIPTS, run_script
 from helpers.wandb_records import find_run_file, history_rows, summary_values
 from lightning.pytorch import Trainer
 
@@ -23,7 +23,7 @@ ORDINARY = ("mid", "wide", "head")
 
 def job(*args: str, timeout: float = 300) -> dict:
     out = Path(args[args.index("--out") + 1])
-    proc = run_script(JOB, *args, timeout=timeout, cwd=REPO)
+    proc = run_script(JOB, *args, timeout=timeout, cwd=out)  # a Trainer's default_root_dir is its cwd: not the repo
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
