@@ -105,21 +105,17 @@ def _picks(space: Space, untried: list[Config], ok: list[Trial], per_round: int,
     rest = order[len(chosen):]
     if rest and per_round > 1:
         unseen = _uncovered(space, [t.config for t in ok] + [untried[i] for i in chosen])
-        filling = [i for i in rest if any(untried[i][name] in values for name, values in unseen.items())]
+        filling = [i for i in rest if any(key({name: untried[i][name]}) in unseen for name in space.options)]
         chosen.append(filling[0] if filling else rng.choice(rest))  # the best-predicted one that fills a gap
     return [(untried[i], predicted[i]) for i in chosen]
 
 
-def _uncovered(space: Space, configs: list[Config]) -> dict[str, list]:
-    """Each option's values that no successful trial (nor pick) has: a failed trial in the initial sample leaves
-    its values unseen, and the proxy cannot extrapolate to a value it never saw (a stump splits between seen ones)."""
-    unseen = {}
-    for name, values in space.options.items():
-        seen = {key({name: c[name]}) for c in configs}
-        missing = [v for v in values if key({name: v}) not in seen]
-        if missing:
-            unseen[name] = missing
-    return unseen
+def _uncovered(space: Space, configs: list[Config]) -> set[str]:
+    """The option values (as ``key({option: value})``, so ``True`` is not ``1``) that no successful trial (nor
+    pick) has: a failed trial in the initial sample leaves its values unseen, and the proxy cannot extrapolate to a
+    value it never saw (a stump splits between seen ones)."""
+    every = {key({name: v}) for name, values in space.options.items() for v in values}
+    return every - {key({name: c[name]}) for c in configs for name in space.options}
 
 
 def final_predictions(space: Space, log: TrialLog, seed: int = 0, log_target: bool = True,
