@@ -42,6 +42,28 @@ def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env:
     )
 
 
+#: The ``lightning`` command installed beside this interpreter (the README's ``lightning run``).
+LIGHTNING = str(Path(sys.executable).parent / "lightning")
+
+
+def lightning_run(*args: str, timeout: float = 300, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """``lightning run ARGS``: workers' output arrives on its stdout/stderr, each line prefixed ``[default<rank>]:``."""
+    return subprocess.run([LIGHTNING, "run", *args], env=clean_env(**env), check=False, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def launch(script: str, *args: str, run_dir: Path, devices: int = 2, max_restarts: int = 0, timeout: float = 300,
+           cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """A job started as the README starts one, without restarts unless asked: for tests of what a job does rather
+    than of how it was started.
+
+    A multi-rank start costs less this way than as ``python SCRIPT`` (~5 s instead of ~9 s for 2 ranks here):
+    the ranks fork from one preloaded interpreter instead of each importing torch, Lightning and TorchRec in turn.
+    """
+    return lightning_run("--devices", str(devices), "--max-restarts", str(max_restarts), "--run-dir", str(run_dir),
+                         script, *args, timeout=timeout, cwd=cwd, **env)
+
+
 @pytest.fixture(scope="session")
 def uninterrupted_dlrm(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """The 2-rank sharded DLRM job (tests/scripts/ett_job.py defaults: table-wise, dense Adam) trained 12 steps
@@ -53,7 +75,7 @@ def uninterrupted_dlrm(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[d
     import torch
 
     out = tmp_path_factory.mktemp("uninterrupted-dlrm")
-    proc = run_script(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--max-steps", "12", "--save-every", "6",
-                      "--ckpt-dir", str(out / "ckpt"), timeout=300)
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--max-steps", "12", "--save-every", "6",
+                  "--ckpt-dir", str(out / "ckpt"), run_dir=out / "ett")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))], out / "ckpt"

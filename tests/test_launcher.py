@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, clean_env, run_script
+from conftest import LIGHTNING, SCRIPTS, clean_env, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, ledger_path
 from lightning_ett.launch.cli import main
 from lightning_ett.launch.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
 from lightning_ett.launch.launcher import failure_reason, next_attempt, torchrun_argv
-
-LIGHTNING = Path(sys.executable).parent / "lightning"
 
 
 @pytest.fixture

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, launch, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint import layout as fmt
@@ -19,8 +20,14 @@ from lightning_ett.instrument.ledger import read_ledger
 JOB = str(SCRIPTS / "ett_job.py")
 
 
+def job(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The job under ``lightning run`` (its run dir: ``out/ett``), as many ranks as its ``--devices`` (default 2)."""
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+    return launch(JOB, "--out", str(out), *args, run_dir=out / "ett", devices=devices)
+
+
 def run_job(out: Path, *args: str) -> list[dict]:
-    proc = run_script(JOB, "--out", str(out), *args, timeout=300)
+    proc = job(out, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
 
@@ -81,8 +88,7 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path,
     # A file of that checkpoint truncated: the load fails on every rank, naming the file.
     shard = next((ckpt / "step6.ckpt").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = run_script(JOB, "--out", str(tmp_path / "torn"), *opt, "--max-steps", "12", "--resume", str(ckpt / "step6.ckpt"),
-                      timeout=300)
+    proc = job(tmp_path / "torn", *opt, "--max-steps", "12", "--resume", str(ckpt / "step6.ckpt"))
     assert proc.returncode != 0
     assert f"{str(ckpt / 'step6.ckpt')!r} is not a complete checkpoint: {shard.name} has 100 bytes" in proc.stderr
     # Where AsyncCheckpoint looks for a checkpoint to resume from, the same directory is skipped, named.
@@ -108,7 +114,7 @@ def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_pat
     # A cache file replaced by garbage: named in a warning, set aside, planned again; the job goes on.
     entry = _entry_for(cache, first[0]["plan"])
     entry.write_bytes(b"not a pickle")
-    proc = run_script(JOB, "--out", str(tmp_path / "d"), "--max-steps", "2", "--plan-cache", str(cache), timeout=300)
+    proc = job(tmp_path / "d", "--max-steps", "2", "--plan-cache", str(cache))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"ignoring the plan cache entry {str(entry)!r}" in proc.stderr
     healed = torch.load(tmp_path / "d" / "rank0.pt", weights_only=False)
@@ -169,8 +175,7 @@ def test_sigterm_on_rank_zero_stops_every_rank_without_a_blocking_collective_per
 
 
 def test_ranks_whose_local_plans_disagree_fail_with_a_clear_error(tmp_path):
-    proc = run_script(JOB, "--out", str(tmp_path), "--max-steps", "2", "--sharding-type", "table_wise",
-                      "--rank1-sharding-type", "row_wise", timeout=300)
+    proc = job(tmp_path, "--max-steps", "2", "--sharding-type", "table_wise", "--rank1-sharding-type", "row_wise")
     assert proc.returncode != 0
     assert "ranks computed different sharding plans" in proc.stderr
 
@@ -188,7 +193,7 @@ def test_torchrun_restart_after_a_sigkill_reforms_the_process_group(tmp_path):
 
 
 def test_tables_built_in_setup_are_planned_after_the_overlap_window(tmp_path):
-    proc = run_script(JOB, "--out", str(tmp_path), "--max-steps", "4", "--build-in-setup", timeout=300)
+    proc = job(tmp_path, "--max-steps", "4", "--build-in-setup")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "no TorchRec embedding modules" not in proc.stderr
     ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
@@ -222,9 +227,8 @@ def test_adam_on_cpu_is_refused_naming_the_argument_before_start_up():
 
 def test_a_failed_background_write_raises_on_every_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = run_script(JOB, "--out", str(tmp_path / "out"), "--max-steps", "12", "--async-every", "4",
-                      "--ckpt-dir", str(ckpt), "--block-tmp-of", "4", timeout=300)
+    proc = job(tmp_path / "out", "--max-steps", "12", "--async-every", "4", "--ckpt-dir", str(ckpt), "--block-tmp-of", "4")
     assert proc.returncode != 0
     for rank in (0, 1):
-        assert f"[rank{rank}]: lightning_ett.checkpoint.writer.CheckpointWriteError" in proc.stderr, proc.stderr[-4000:]
+        assert f"[default{rank}]:lightning_ett.checkpoint.writer.CheckpointWriteError" in proc.stderr, proc.stderr[-4000:]
     assert "step-000000004" in proc.stderr and not list(ckpt.glob("step-000000004"))

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import math
 
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, launch
 from scipy import stats
 
 from lightning_ett import summarize_run_dir
 
 
 def test_rank_combined_verdicts_equal_those_of_the_pooled_samples(tmp_path):
-    proc = run_script(str(SCRIPTS / "fp8_job.py"), "dlrm", "--devices", "2", "--steps", "60", "--out", str(tmp_path),
-                      "--run-dir", str(tmp_path / "run"), timeout=300)
+    proc = launch(str(SCRIPTS / "fp8_job.py"), "dlrm", "--devices", "2", "--steps", "60", "--out", str(tmp_path),
+                  "--run-dir", str(tmp_path / "run"), run_dir=tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["results"] == ranks[1]["results"]  # every rank holds the combined verdict

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, lightning_run, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
-from tests.distributed.test_launcher import JOB, lightning_run, ranks
+from tests.distributed.test_launcher import JOB, ranks
 
 STEPS = ["--max-steps", "40", "--async-every", "10", "--step-sleep", "0.02"]
 # A step here takes ~30 ms: a 2 s floor is still 60 steps of silence, so a loaded CI machine cannot fake a hang.

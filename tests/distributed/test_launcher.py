@@ -8,13 +8,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SCRIPTS, clean_env
+from conftest import LIGHTNING, REPO, SCRIPTS, clean_env, lightning_run
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint import layout as checkpoint_layout
@@ -22,13 +21,7 @@ from lightning_ett.durable.ownership import process_alive
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
 
-LIGHTNING = str(Path(sys.executable).parent / "lightning")
 JOB = str(SCRIPTS / "ett_job.py")
-
-
-def lightning_run(*args: str, timeout: float = 300, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([LIGHTNING, "run", *args], env=clean_env(**env), check=False, capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
 
 
 def ranks(out: Path) -> list[dict]:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, launch, run_script
 
 from lightning_ett.checkpoint import layout as fmt
 
 
 def test_a_published_model_loaded_with_torch_and_torchrec_alone_predicts_what_the_sharded_model_did(tmp_path):
     # Table-wise sharding on 2 ranks: each rank holds only 2 of the 4 tables.
-    proc = run_script(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", "--async-every", "5",
-                      "--ckpt-dir", str(tmp_path / "ckpt"), "--publish-dir", str(tmp_path / "pub"),
-                      "--predict-out", str(tmp_path / "pred"), "--sharding-type", "table_wise", timeout=300)
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", "--async-every", "5",
+                  "--ckpt-dir", str(tmp_path / "ckpt"), "--publish-dir", str(tmp_path / "pub"),
+                  "--predict-out", str(tmp_path / "pred"), "--sharding-type", "table_wise", run_dir=tmp_path / "ett")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ModelPublisher: published" in proc.stderr + proc.stdout
     assert not list((tmp_path / "ckpt").glob(f"*/{fmt.PIN_FILE}"))

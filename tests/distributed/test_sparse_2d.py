@@ -11,20 +11,18 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import SCRIPTS, clean_env, run_script
+from conftest import LIGHTNING, SCRIPTS, clean_env, launch, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint.dcp_io import read_whole
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 
 JOB = str(SCRIPTS / "sparse_2d_job.py")
-LIGHTNING = str(Path(sys.executable).parent / "lightning")
 REPLICAS = [(0, 1), (2, 3)]
 STEPS, INTERVAL = 60, 3
 TWO_D = {"k": 2, "interval": INTERVAL, "steps": STEPS}
@@ -53,7 +51,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "two_d_to_k1", "k": 1, "steps": STEPS + 3, "resume": "two_d"},
         {"name": "two_d_to_2d", "k": 2, "steps": STEPS + 3, "resume": "two_d"},
     ]
-    proc = run_script(JOB, "--out", str(out), "--fits", json.dumps(plan), timeout=600)
+    proc = launch(JOB, "--out", str(out), "--fits", json.dumps(plan), run_dir=out / "run", devices=4, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, lightning_run
 from helpers.wandb_records import history_rows, read_records, summary_values
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import read_ledger
-from tests.distributed.test_launcher import lightning_run
 
 JOB = str(SCRIPTS / "logger_job.py")
 

@@ -7,12 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, lightning_run, run_script
 from helpers.wandb_records import find_run_file, history_rows, summary_values
 
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from lightning_ett.instrument.timeline import STRAGGLER_FACT
-from tests.distributed.test_launcher import lightning_run
 
 JOB = str(SCRIPTS / "straggler_job.py")
 DELAY_S = 0.05

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import clean_env
+from conftest import LIGHTNING, clean_env
 
 from lightning_ett.instrument.ledger import (
     LedgerWriter,
@@ -19,7 +18,6 @@ from lightning_ett.instrument.ledger import (
 from lightning_ett.instrument.summary import summarize_run_dir
 from lightning_ett.launch.cli import main
 
-LIGHTNING = str(Path(sys.executable).parent / "lightning")
 BAD_LINES = [
     '{"kind":"event","phase":"train","start":"x","end":null}',  # valid JSON, wrong types: was a TypeError
     "[1,2]",  # not an object: was an AttributeError
