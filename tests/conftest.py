@@ -42,6 +42,18 @@ def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env:
     )
 
 
+def devices_in(script_args: tuple[str, ...], default: int) -> int:
+    """The ``--devices N`` a test script is given (its own default otherwise), for the launcher to match."""
+    return int(script_args[script_args.index("--devices") + 1]) if "--devices" in script_args else default
+
+
+def rank_facts(out: Path) -> list[dict]:
+    """What each rank of a test script saved as ``OUT/rank<N>.pt``, in rank order."""
+    import torch
+
+    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
+
+
 #: The ``lightning`` command installed beside this interpreter (the README's ``lightning run``).
 LIGHTNING = str(Path(sys.executable).parent / "lightning")
 
@@ -72,10 +84,8 @@ def uninterrupted_dlrm(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[d
     Checkpointing and step sleeps change nothing in what is trained, so one run serves them all (each 2-rank
     start costs ~7 s here). Returns each rank's facts and the checkpoint directory; copy it before changing it.
     """
-    import torch
-
     out = tmp_path_factory.mktemp("uninterrupted-dlrm")
     proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--max-steps", "12", "--save-every", "6",
                   "--ckpt-dir", str(out / "ckpt"), run_dir=out / "ett")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))], out / "ckpt"
+    return rank_facts(out), out / "ckpt"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, clean_env, launch, run_script
+from conftest import REPO, clean_env, devices_in, launch, run_script
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
@@ -27,8 +27,9 @@ JOB = str(REPO / "tests" / "scripts" / "async_job.py")
 def run_job(tmp_path: Path, *args: str, out: str = "out", ckpt: str = "ckpt", **env: str) -> subprocess.CompletedProcess[str]:
     """One process as ``python SCRIPT``; ``--devices 2`` (DDP) under ``lightning run`` (one import, not one per rank)."""
     job = (JOB, "--out", str(tmp_path / out), "--ckpt-dir", str(tmp_path / ckpt), *args)
-    if "--devices" in args and args[args.index("--devices") + 1] != "1":
-        return launch(*job, run_dir=tmp_path / out / "ett", devices=int(args[args.index("--devices") + 1]), **env)
+    devices = devices_in(args, 1)
+    if devices > 1:
+        return launch(*job, run_dir=tmp_path / out / "ett", devices=devices, **env)
     return run_script(*job, timeout=240, **env)
 
 

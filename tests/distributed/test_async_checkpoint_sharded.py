@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import SCRIPTS, launch
+from conftest import SCRIPTS, launch, rank_facts
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from lightning_ett.checkpoint import layout as fmt
@@ -20,7 +20,7 @@ JOB = str(SCRIPTS / "ett_job.py")
 def run_job(out: Path, *args: str, **env: str) -> list[dict]:
     proc = launch(JOB, "--out", str(out), *args, run_dir=out / "ett", **env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
+    return rank_facts(out)
 
 
 def load_whole(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, launch, run_script
+from conftest import SCRIPTS, devices_in, launch, rank_facts, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint import layout as fmt
@@ -22,21 +22,20 @@ JOB = str(SCRIPTS / "ett_job.py")
 
 def job(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The job under ``lightning run`` (its run dir: ``out/ett``), as many ranks as its ``--devices`` (default 2)."""
-    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
-    return launch(JOB, "--out", str(out), *args, run_dir=out / "ett", devices=devices)
+    return launch(JOB, "--out", str(out), *args, run_dir=out / "ett", devices=devices_in(args, 2))
 
 
 def run_job(out: Path, *args: str) -> list[dict]:
     proc = job(out, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
+    return rank_facts(out)
 
 
 def run_plain(out: Path, *args: str) -> list[dict]:
     """The job as ``python SCRIPT``: Lightning starts rank 1 itself, and no launcher stops a rank or sets its env."""
     proc = run_script(JOB, "--out", str(out), *args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
+    return rank_facts(out)
 
 
 @pytest.mark.parametrize("sharding_type, start", [("table_wise", run_plain), ("row_wise", run_job),
@@ -166,7 +165,7 @@ def test_runs_under_torchrun(tmp_path):
     proc = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", JOB, "--out", str(tmp_path),
                       "--max-steps", "4", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
+    ranks = rank_facts(tmp_path)
     assert len(ranks) == 2 and all(r["global_step"] == 4 and r["world_size"] == 2 for r in ranks)
 
 
@@ -194,7 +193,7 @@ def test_torchrun_restart_after_a_sigkill_reforms_the_process_group(tmp_path):
     proc = run_script("-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "--max-restarts", "1", JOB,
                       "--out", str(tmp_path), "--max-steps", "10", "--kill-at", "4", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
+    ranks = rank_facts(tmp_path)
     assert [r["global_step"] for r in ranks] == [10, 10]
     s = summarize_run_dir(tmp_path / "ett")
     assert [a.completed for a in s.attempts] == [False, True]
@@ -205,7 +204,7 @@ def test_tables_built_in_setup_are_planned_after_the_overlap_window(tmp_path):
     proc = job(tmp_path, "--max-steps", "4", "--build-in-setup")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "no TorchRec embedding modules" not in proc.stderr
-    ranks = [torch.load(f, weights_only=False) for f in sorted(tmp_path.glob("rank*.pt"))]
+    ranks = rank_facts(tmp_path)
     assert all(r["plan_source"] == "planner" and "t0" in r["plan"] and "table_wise" in r["plan"] for r in ranks)
 
 

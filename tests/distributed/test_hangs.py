@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, lightning_run, run_script
+from conftest import SCRIPTS, lightning_run, rank_facts, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
-from tests.distributed.test_launcher import JOB, ranks
+from tests.distributed.test_launcher import JOB
 
 STEPS = ["--max-steps", "40", "--async-every", "10", "--step-sleep", "0.02"]
 # A step here takes ~30 ms: a 2 s floor is still 60 steps of silence, so a loaded CI machine cannot fake a hang.
@@ -24,7 +24,7 @@ def uninterrupted_40(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("uninterrupted-40")
     proc = run_script(JOB, "--out", str(out), "--max-steps", "40", timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return ranks(out)
+    return rank_facts(out)
 
 
 @pytest.mark.parametrize("switch, function", [("LIGHTNING_ETT_FAULT_HANG", "hang_in_python"),
@@ -41,7 +41,7 @@ def test_a_hung_rank_is_named_stopped_and_restarted_and_the_job_matches_an_unint
     assert len(s.attempts) == 2 and [a.completed for a in s.attempts] == [False, True]
     resumed_at = s.attempts[1].first_step
     assert resumed_at in (20, 30), resumed_at  # the newest complete checkpoint before the hang
-    for a, b in zip(uninterrupted_40, ranks(tmp_path / "out"), strict=True):
+    for a, b in zip(uninterrupted_40, rank_facts(tmp_path / "out"), strict=True):
         assert b["global_step"] == 40
         assert a["losses"][resumed_at:] == b["losses"]
         assert_equal_trees(a["model"], b["model"])

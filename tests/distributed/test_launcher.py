@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import LIGHTNING, REPO, SCRIPTS, clean_env, lightning_run
+from conftest import LIGHTNING, REPO, SCRIPTS, clean_env, lightning_run, rank_facts
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint import layout as checkpoint_layout
@@ -22,10 +21,6 @@ from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
 
 JOB = str(SCRIPTS / "ett_job.py")
-
-
-def ranks(out: Path) -> list[dict]:
-    return [torch.load(f, weights_only=False) for f in sorted(out.glob("rank*.pt"))]
 
 
 def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(tmp_path, uninterrupted_dlrm):
@@ -43,7 +38,7 @@ def test_a_sigkilled_rank_is_restarted_and_the_job_matches_an_uninterrupted_run(
     # The newest checkpoint committed before the kill: step 8, or step 4 on a machine so loaded
     # that step 8's background write had not committed 0.1 s later.
     assert resumed_at in (4, 8), resumed_at
-    for a, b in zip(full_ranks, ranks(tmp_path / "out"), strict=True):
+    for a, b in zip(full_ranks, rank_facts(tmp_path / "out"), strict=True):
         assert b["global_step"] == 12
         assert a["losses"][resumed_at:] == b["losses"]  # the second attempt resumed by itself
         assert_equal_trees(a["model"], b["model"])
