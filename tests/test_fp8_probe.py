@@ -63,7 +63,9 @@ def test_the_probe_stays_within_its_overhead_budget(probed):
     # (A whole loop with / without the probe moves by +-15 % between identical runs on this 2-core VM; that
     # comparison, over alternating rounds, is benchmarks/fp8_probe.py's.)
     steps, sampled = result["step_s_with"], set(result["sampled_steps"])
-    assert len(sampled) == result["samples_taken"] >= 3
+    # How many samples the run takes is the machine's: the gap after each grows with its cost over a step's, and
+    # sampling stops once every layer is decided (CI once decided all four after 2). Two give the step clock a check.
+    assert len(sampled) == result["samples_taken"] >= 2
     typical = statistics.median(s for i, s in enumerate(steps) if i not in sampled)
     extra = sum(steps[i] - typical for i in sampled)
     assert extra / sum(steps) <= 0.02 * 1.5, extra / sum(steps)

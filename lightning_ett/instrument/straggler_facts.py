@@ -13,12 +13,17 @@ import statistics
 from collections import Counter
 from typing import Any
 
+#: Consecutive windows one rank must be named in before it is called a straggler: the live warning's rule
+#: (:mod:`lightning_ett.watch.stragglers`) and the report's. One window alone is often one noisy gather.
+WARN_AFTER_WINDOWS = 2
+
 
 def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``stragglers`` entry of ``ett_summary.json``; ``None`` when no window was scored.
 
     ``latest``: the last window's per-rank scores and verdict. ``named``: windows each rank was named
-    in. ``worst``: the rank named most often, with the median of its scores when named and its side.
+    in. ``worst``: the rank named most often, with the median of its scores when named, its side, and
+    ``streak``: the most consecutive windows it was named in (what the warning and the report go by).
     """
     facts = [f for f in facts if _valid(f)]  # a hand-edited or foreign fact is left out, never a crash
     if not facts:
@@ -39,8 +44,19 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
         sides = Counter(f.get("side") for f in mine)
         score = statistics.median(float(f["score_s"]) for f in mine)
         digest["worst"] = {"rank": rank, "windows": windows, "score_s": round(score, 6), "side": sides.most_common(1)[0][0],
-                           "first_step": mine[0].get("step"), "last_step": mine[-1].get("step")}
+                           "first_step": mine[0].get("step"), "last_step": mine[-1].get("step"),
+                           "streak": _longest_streak(facts, rank)}
     return digest
+
+
+def _longest_streak(facts: list[dict[str, Any]], rank: int) -> int:
+    """Most consecutive windows naming ``rank``: counted from the facts' order, not their ``streak`` field, so
+    facts written before that field existed count the same."""
+    longest = current = 0
+    for fact in facts:
+        current = current + 1 if fact.get("straggler") == rank else 0
+        longest = max(longest, current)
+    return longest
 
 
 def _valid(fact: dict[str, Any]) -> bool:
@@ -53,8 +69,9 @@ def _valid(fact: dict[str, Any]) -> bool:
 
 
 def straggler_line(digest: dict[str, Any] | None) -> str | None:
-    """One line for the report under the table, or ``None`` when no window named a straggler."""
-    if not digest or not digest.get("worst"):
+    """One line for the report under the table, or ``None`` unless a rank was named in
+    ``WARN_AFTER_WINDOWS`` consecutive windows (the live warning's rule)."""
+    if not digest or not digest.get("worst") or digest["worst"].get("streak", 0) < WARN_AFTER_WINDOWS:
         return None
     w = digest["worst"]
     return (f"straggler: rank {w['rank']}, others waited {1000 * w['score_s']:.0f} ms/step ({w['side']} side); "

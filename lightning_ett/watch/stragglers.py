@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from lightning_ett.instrument.straggler_facts import WARN_AFTER_WINDOWS
+
 #: The absolute floor of the threshold: below it, lateness is the collectives' own exit skew and noise.
 MIN_THRESHOLD_S = 0.002
-#: Consecutive windows one rank must be named in before the warning.
-WARN_AFTER_WINDOWS = 2
 #: Gathers whose leave times give each rank's clock offset (their median): one noisy exit cannot shift a window.
 OFFSET_GATHERS = 5
 #: Gathers in a row at the first window (which only sets the origin), so the first scored window's offsets

@@ -120,19 +120,25 @@ def test_straggler_digest_and_report_line():
     assert straggler_digest([]) is None and straggler_line(None) is None
     quiet = [_straggler_fact(50, None, [0.0, 0.0005])]
     assert straggler_line(straggler_digest(quiet)) is None  # no straggler: no line
+    # Named in one window, then not, then again: never two in a row, so no line (one noisy gather names a rank).
+    flickers = [_straggler_fact(25 * i, 1 if i % 2 else None, [0.0, 0.05 if i % 2 else 0.0]) for i in range(1, 6)]
+    flickering = straggler_digest(flickers)
+    assert flickering["worst"]["windows"] == 3 and flickering["worst"]["streak"] == 1
+    assert straggler_line(flickering) is None
     facts = quiet + [_straggler_fact(75, 1, [0.0, 0.048]), _straggler_fact(100, 1, [0.0, 0.052]),
                      {"name": STRAGGLER_FACT, "scores": "garbled"}]  # a hand-edited fact is left out
     digest = straggler_digest(facts)
     assert digest["windows"] == 3 and digest["straggler"] == 1 and digest["named"] == {"1": 2}
     assert digest["latest"]["scores"] == {"0": 0.0, "1": 0.052}
-    assert digest["worst"] == {"rank": 1, "windows": 2, "score_s": 0.05, "side": "data", "first_step": 75, "last_step": 100}
+    assert digest["worst"] == {"rank": 1, "windows": 2, "score_s": 0.05, "side": "data", "first_step": 75, "last_step": 100,
+                               "streak": 2}
     assert straggler_line(digest).startswith("straggler: rank 1, others waited 50 ms/step (data side); named in 2 of 3")
 
 
 def test_the_summary_and_the_report_carry_step_health_and_stragglers():
     events = [_event("train", 10.0 + i, 11.0 + i, i) for i in range(20)]
     ledger = RankLedger(0, 0, header={"job_start": 0.0}, events=events,
-                        facts=[_straggler_fact(10, 1, [0.0, 0.03], "compute")])
+                        facts=[_straggler_fact(10, 1, [0.0, 0.03], "compute"), _straggler_fact(11, 1, [0.0, 0.03], "compute")])
     summary = summarize([ledger, RankLedger(0, 1, header={"job_start": 0.0}, events=events)])
     d = summary.to_dict()
     assert d["step_health"]["ideal_step_s"] == pytest.approx(1.0) and d["step_health"]["clean_steps"] == 20
