@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from helpers.zygote import DISABLE as ZYGOTE_OFF
+from helpers.zygote import Zygote, zygote_can_run
 
 from lightning_ett.instrument import timeline
 
@@ -31,14 +35,42 @@ def isolated_job(monkeypatch: pytest.MonkeyPatch) -> timeline.Timeline:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
+    return _job_env(os.environ, extra)
+
+
+def _job_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if not k.startswith("LIGHTNING_ETT_")}
     env.update({"PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}, **extra)
     return env
 
 
-def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+#: The environment before any test ran: the zygote's, so that a job differs from it only in what the job sets.
+_SESSION_ENV = dict(os.environ)
+_ZYGOTE: list[Zygote] = []
+
+
+def session_zygote() -> Zygote:
+    """The session's preloaded interpreter (:mod:`helpers.zygote`), started at the first job."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(_job_env(_SESSION_ENV, {})))
+        atexit.register(_ZYGOTE[0].close)
+    return _ZYGOTE[0]
+
+
+def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, fresh: bool = False,
+               **env: str) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` with the test environment: a script is forked from the session's zygote when nothing in its
+    environment needs a fresh interpreter (see :mod:`helpers.zygote`), else started as a real process.
+
+    ``fresh=True``: always a real process, for a test whose subject is the start itself (the import phase, the
+    process's start time as the OS records it, what each rank's start costs).
+    """
+    job_env = clean_env(**env)
+    if (not fresh and os.environ.get(ZYGOTE_OFF) != "1" and zygote_can_run(args)
+            and session_zygote().serves(args, job_env)):
+        return session_zygote().run(args, job_env, cwd, timeout)
     return subprocess.run(
-        [sys.executable, *args], check=False, env=clean_env(**env), capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [sys.executable, *args], check=False, env=job_env, capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 

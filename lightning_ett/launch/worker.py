@@ -23,7 +23,6 @@ import runpy
 import signal
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 from lightning_ett.instrument.environment import ENV_HANG_WATCH
@@ -128,11 +127,21 @@ def run_script(script: str, script_args_json: str, env_json: str) -> None:
         register_dump_signal()
     _apply_thread_count()
     _check_cuda_untouched()
+    run_as_main(script, json.loads(script_args_json))
+
+
+def run_as_main(script: str, script_args: list[str]) -> None:
+    """Run ``script`` in this (forked) interpreter as ``python SCRIPT ARGS`` would; returns on exit 0.
+
+    Raises ``SystemExit`` with the exit code otherwise, having printed what the interpreter would
+    print (the traceback, or ``sys.exit("message")``'s message). Exit handlers have run when it
+    returns or raises: the caller ends the process with ``os._exit`` and skips module teardown.
+    """
     import multiprocessing
 
     multiprocessing.set_start_method(None, force=True)  # the script may choose its own, as in a fresh python
     script = os.path.abspath(script)
-    sys.argv = [script, *json.loads(script_args_json)]
+    sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(script))
     try:
         runpy.run_path(script, run_name="__main__")
@@ -145,8 +154,9 @@ def run_script(script: str, script_args_json: str, env_json: str) -> None:
         raise SystemExit(1) from None
     except BaseException:  # noqa: BLE001 - any uncaught error ends the script, as in `python SCRIPT`
         # Printed here, while stderr still goes to this rank's log (multiprocessing would print
-        # it after the redirect ends); then exit 1, as `python SCRIPT` does.
-        traceback.print_exc()
+        # it after the redirect ends), through sys.excepthook as the interpreter prints it (torch's
+        # process group installs one that prefixes each line with `[rank<N>]:`); then exit 1.
+        sys.excepthook(*sys.exc_info())
         raise SystemExit(1) from None
     finally:
         # The script is over: let exit handlers (W&B's final sync, a checkpoint writer's last

@@ -24,8 +24,8 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
         # one more checkpoint callback, due inside this short run: the example's save path is exercised
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.every_n_train_steps", "20",
-        cwd=tmp_path, timeout=300, LIGHTNING_ETT_RUN_DIR=str(run_dir),
-    )
+        cwd=tmp_path, timeout=300, fresh=True, LIGHTNING_ETT_RUN_DIR=str(run_dir),
+    )  # (fresh: each rank's own start, imports and launch, is what this measures)
     finished = time.time()
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())

@@ -17,7 +17,8 @@ def test_a_published_model_loaded_with_torch_and_torchrec_alone_predicts_what_th
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ModelPublisher: published" in proc.stderr + proc.stdout
     assert not list((tmp_path / "ckpt").glob(f"*/{fmt.PIN_FILE}"))
-    served = run_script(str(SCRIPTS / "serve_published.py"), str(tmp_path / "pub"), str(tmp_path / "pred"), "200")
+    served = run_script(str(SCRIPTS / "serve_published.py"), str(tmp_path / "pub"), str(tmp_path / "pred"), "200",
+                        fresh=True)  # (fresh: what the server imports, and that Lightning is not among it, is tested)
     assert served.returncode == 0, served.stderr[-4000:]
     result = json.loads(served.stdout.strip().splitlines()[-1])
     assert result["ranks"] == 2
