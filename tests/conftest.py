@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers.zygote import DISABLE as ZYGOTE_OFF
-from helpers.zygote import Zygote, zygote_can_run
+from helpers.zygote import Zygote
 
 from lightning_ett.instrument import timeline
 
@@ -50,7 +50,7 @@ _ZYGOTE: list[Zygote] = []
 
 
 def session_zygote() -> Zygote:
-    """The session's preloaded interpreter (:mod:`helpers.zygote`), started at the first job."""
+    """The session's preloaded interpreter (:mod:`helpers.zygote`)."""
     if not _ZYGOTE:
         _ZYGOTE.append(Zygote(_job_env(_SESSION_ENV, {})))
         atexit.register(_ZYGOTE[0].close)
@@ -66,8 +66,7 @@ def run_script(*args: str, timeout: float = 240, cwd: Path | None = None, fresh:
     process's start time as the OS records it, what each rank's start costs).
     """
     job_env = clean_env(**env)
-    if (not fresh and os.environ.get(ZYGOTE_OFF) != "1" and zygote_can_run(args)
-            and session_zygote().serves(args, job_env)):
+    if not fresh and os.environ.get(ZYGOTE_OFF) != "1" and session_zygote().serves(args, job_env):
         return session_zygote().run(args, job_env, cwd, timeout)
     return subprocess.run(
         [sys.executable, *args], check=False, env=job_env, capture_output=True, text=True, timeout=timeout, cwd=cwd

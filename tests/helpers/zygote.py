@@ -51,15 +51,14 @@ def zygote_can_run(args: tuple[str, ...]) -> bool:
 
 
 class Zygote:
-    """The client side, owned by the test session (``conftest``): start once, fork per job."""
+    """The client side, owned by the test session (``conftest``): the server starts at the first job it can
+    serve (a session of ``-m`` calls and in-process tests never pays its imports), and forks each job."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = dict(env)
         self._dir = tempfile.mkdtemp(prefix="ett-zygote-")
         self.address = os.path.join(self._dir, "socket")
-        with open(os.path.join(self._dir, "server.log"), "w") as log:  # (the child holds its own copy)
-            self._server = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        self._server: subprocess.Popen[bytes] | None = None
         self._ready: bool | None = None
         self._set_by_imports: dict[str, str] = {}
 
@@ -79,6 +78,9 @@ class Zygote:
 
     def _await_ready(self) -> bool:
         if self._ready is None:
+            with open(os.path.join(self._dir, "server.log"), "w") as log:  # (the server holds its own copy)
+                self._server = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
             assert self._server.stdout is not None
             line = self._server.stdout.readline()  # written once its imports are done and it listens
             try:
@@ -110,12 +112,12 @@ class Zygote:
             return subprocess.CompletedProcess(command, code, _read(out), _read(err))
 
     def close(self) -> None:
-        if self._server.stdin is not None:
+        if self._server is not None and self._server.stdin is not None:
             self._server.stdin.close()  # the server exits on EOF
-        try:
-            self._server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._server.kill()
+            try:
+                self._server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
