@@ -24,6 +24,14 @@ figures as JSON to ``--out`` (default ``$OUT/gpu_check.json`` when ``$OUT`` is s
 * ``compile_cache``: time to the first step of a cold start, a warm restart and a start on a
   fresh host that has only CompileCache's bundle (the portable mega-cache, which must carry
   the Triton kernels: every start has an empty Triton cache directory).
+* ``hang``: the hang watch's evidence on NCCL (issue #28). Two ranks, one per GPU (2+ GPUs): rank 1
+  stops making collectives (a hang in Python) while rank 0 enqueues the next all-reduce and waits at
+  a host sync. Read from outside, as the watch reads them: rank 0's CPU share while it waits (a CUDA
+  wait spins), both ranks' flight recorders (served on request, ``_dump_nccl_trace``), the rank they
+  name, and whether the rule that ignores a CUDA rank's CPU time while a collective of it is pending
+  holds. NCCL cannot put two ranks on one GPU: on a single GPU one rank enqueues an all-reduce behind
+  a 3 s GPU sleep instead, which checks the spin, the NCCL recorder dump and its pending state; the
+  blame then runs on gloo.
 
 Without CUDA it says so and exits 0 (what CPU CI runs). A section that raises, or whose checks
 fail, is a FAILED row, and the exit code is 1; the other sections still run.
@@ -32,6 +40,7 @@ fail, is a FAILED row, and the exit code is 1; the other sections still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -50,11 +59,11 @@ from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("pg", "checkpoint", "dynamic_shapes", "compile_cache")
+SECTIONS = ("pg", "checkpoint", "dynamic_shapes", "compile_cache", "hang")
 BLOCK_ENV = "GPU_CHECK_BLOCK_MODULES"  # children set these to None in sys.modules (as if not installed)
 ABSENT_ON_GPU_IMAGE = ("torchrec", "fbgemm_gpu")
 DEADLINE_S = 450.0  # the whole run, children included (the brief: under 8 minutes)
-SECTION_CAP_S = {"pg": 75.0, "checkpoint": 170.0, "dynamic_shapes": 140.0, "compile_cache": 170.0}
+SECTION_CAP_S = {"pg": 75.0, "checkpoint": 170.0, "dynamic_shapes": 140.0, "compile_cache": 170.0, "hang": 60.0}
 _DROP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
@@ -578,7 +587,40 @@ def child_sleep(p: dict[str, Any], out: Reporter) -> None:
     time.sleep(p["s"])
 
 
-CHILDREN = {"pg": child_pg, "checkpoint": child_checkpoint, "compiled": child_compiled, "sleep": child_sleep}
+def child_hang(p: dict[str, Any], out: Reporter) -> None:
+    """One rank of the hang case (see ``section_hang``); it serves its flight recorder and never returns by itself."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ett.watch import flight_recorder
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    out.put(serving=flight_recorder.serve(rank))
+    cuda = p["backend"] == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(p["backend"], rank=rank, world_size=world, device_id=device if cuda else None)
+    t = torch.ones(1 << 20, device=device)
+    for _ in range(3):
+        dist.all_reduce(t)
+    _sync(device.type)
+    Path(p["ready"], f"ready{rank}").touch()
+    out.put(rank=rank, backend=p["backend"])
+    if rank == 1 or (world == 1 and not cuda):
+        while True:
+            time.sleep(3600)  # the hang: it never enqueues the next collective
+    if world == 1:  # one GPU: the all-reduce waits behind a GPU sleep, as it would wait for a peer
+        torch.cuda._sleep(int(p["sleep_cycles"]))
+    dist.all_reduce(t)
+    t.sum().item()  # the host waits here: on CUDA a spin, outside any collective frame
+    Path(p["ready"], "returned0").touch()
+    while True:
+        time.sleep(3600)
+
+
+CHILDREN = {"pg": child_pg, "checkpoint": child_checkpoint, "compiled": child_compiled, "sleep": child_sleep,
+            "hang": child_hang}
 
 
 def child_main(name: str, params: str, result: str) -> int:
@@ -893,10 +935,88 @@ def section_compile_cache(run: Run, sec: Section) -> None:
         sec.check("bundle carries the Triton kernels", None, "CPU run: no Triton")
 
 
+def section_hang(run: Run, sec: Section) -> None:
+    from lightning_ett.durable.procfs import sample_tree
+    from lightning_ett.watch import flight_recorder
+    from lightning_ett.watch.activity import activity_between
+    from lightning_ett.watch.flight_recorder import behind
+    from lightning_ett.watch.hang import Evidence, working
+
+    gpus = run.args.gpus if run.device == "cuda" else 0
+    cases = [("nccl", 2)] if gpus >= 2 else ([("nccl", 1), ("gloo", 2)] if gpus == 1 else [("gloo", 2)])
+    for backend, ranks in cases:
+        tag = f"{backend}-{ranks}"
+        token, ready = f"gpucheck{os.getpid()}{tag.replace('-', '')}", run.tmp / f"hang-{tag}"
+        ready.mkdir()
+        params = {"backend": backend, "ready": str(ready), "sleep_cycles": 3 * 1_500_000_000}  # ~3 s at ~1.5 GHz
+        env = {"LIGHTNING_ETT_LAUNCH_TOKEN": token, "LIGHTNING_ETT_ATTEMPT": "0"}
+        procs = _start_ranks(run, "hang", params, ranks, env, tag)
+        try:
+            deadline = time.monotonic() + min(45.0, run.left() - 5)
+            while not all((ready / f"ready{r}").exists() for r in range(ranks)) and time.monotonic() < deadline:
+                if any(proc.poll() is not None for proc, _ in procs):
+                    raise RuntimeError(f"a hang-case rank exited: {_tail(procs[0][1])} / {_tail(procs[-1][1])}")
+                time.sleep(0.05)
+            time.sleep(0.5)  # rank 0 is in its next all-reduce and at the host sync
+            pids = {r: proc.pid for r, (proc, _) in enumerate(procs)}
+            before, t0 = {r: sample_tree(pid) for r, pid in pids.items()}, time.monotonic()
+            first = flight_recorder.request(token, 0, list(pids))
+            time.sleep(1.5)
+            second = flight_recorder.request(token, 0, list(pids))
+            after, seconds = {r: sample_tree(pid) for r, pid in pids.items()}, time.monotonic() - t0
+            activity = {r: activity_between(before[r], after[r], seconds) for r in pids if before[r] and after[r]}
+            devices = {r: ("cuda" if backend == "nccl" else "cpu") for r in pids}
+            moved = working({r: Evidence(0.0, first[r]) for r in pids}, {r: Evidence(0.0, second[r]) for r in pids},
+                            activity, devices)
+            named = behind({r: c for r, c in second.items() if c is not None}) if ranks > 1 else None
+            figures = {"rank0_cpu_while_waiting": activity[0].cpu if 0 in activity else None,
+                       "status": {r: ({k: [g.enqueued, g.completed] for k, g in c.groups.items()} if c else None)
+                                  for r, c in second.items()},
+                       "named": named[0] if named else None, "evidence": named[1] if named else None,
+                       "working": moved, "returned0": (ready / "returned0").exists()}
+            sec.figures[tag] = figures
+        finally:
+            for proc, _ in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            flight_recorder.remove_dumps(token)
+        cpu = figures["rank0_cpu_while_waiting"]
+        sec.row(f"{tag}: rank 0 CPU while it waits", "n/a" if cpu is None else f"{cpu:.0%} of a core")
+        sec.row(f"{tag}: flight recorder (enqueued, completed)", json.dumps(figures["status"]))
+        waiting = second.get(0) is not None and second[0].waiting
+        sec.check(f"{tag}: rank 0's recorder answers with a collective pending", waiting)
+        if ranks > 1:
+            sec.row(f"{tag}: named", f"rank {figures['named']}: {figures['evidence']}")
+            sec.check(f"{tag}: the recorder names rank 1", figures["named"] == 1)
+            sec.check(f"{tag}: no rank counts as working", not moved, json.dumps(moved))
+        if backend == "nccl":
+            sec.check(f"{tag}: a CUDA wait spins (so CPU time is no evidence there)", cpu is not None and cpu > 0.5,
+                      f"{cpu}")
+            sec.check(f"{tag}: a spinning CUDA rank with a collective pending is not 'working'", 0 not in moved,
+                      json.dumps(moved))
+
+
+def _start_ranks(run: Run, name: str, params: dict[str, Any], ranks: int, env: dict[str, str],
+                 tag: str) -> list[tuple[subprocess.Popen, Path]]:
+    """``ranks`` children that keep running (``Run.children`` waits for children to end)."""
+    port, procs = _free_port(), []
+    for rank in range(ranks):
+        extra = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = run.tmp / f"hang-{tag}-r{rank}.log"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--params", json.dumps(params),
+               "--result", str(run.tmp / f"hang-{tag}-r{rank}.json")]
+        with open(log, "w") as f:
+            procs.append((subprocess.Popen(cmd, cwd=REPO, env=run.child_env(f"hang-{tag}", **extra), stdout=f,
+                                           stderr=subprocess.STDOUT, start_new_session=True), log))
+    return procs
+
+
 SECTION_RUNNERS = {"pg": section_pg, "checkpoint": section_checkpoint, "dynamic_shapes": section_dynamic_shapes,
-                   "compile_cache": section_compile_cache}
+                   "compile_cache": section_compile_cache, "hang": section_hang}
 TITLES = {"pg": "process group", "checkpoint": "AsyncCheckpoint", "dynamic_shapes": "DynamicShapes",
-          "compile_cache": "CompileCache"}
+          "compile_cache": "CompileCache", "hang": "hang watch"}
 
 
 def _s(seconds: float) -> str:

@@ -96,14 +96,15 @@ def lightning_run(*args: str, timeout: float = 300, cwd: Path | None = None, **e
 
 
 def launch(script: str, *args: str, run_dir: Path, devices: int = 2, max_restarts: int = 0, timeout: float = 300,
-           cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+           cwd: Path | None = None, flags: tuple[str, ...] | list[str] = (), **env: str) -> subprocess.CompletedProcess[str]:
     """A job started as the README starts one, without restarts unless asked: for tests of what a job does rather
     than of how it was started.
 
     A multi-rank start costs less this way than as ``python SCRIPT`` (~5 s instead of ~9 s for 2 ranks here):
     the ranks fork from one preloaded interpreter instead of each importing torch, Lightning and TorchRec in turn.
+    ``flags`` are the launcher's own (``--hang-timeout ...``).
     """
-    return lightning_run("--devices", str(devices), "--max-restarts", str(max_restarts), "--run-dir", str(run_dir),
+    return lightning_run("--devices", str(devices), "--max-restarts", str(max_restarts), "--run-dir", str(run_dir), *flags,
                          script, *args, timeout=timeout, cwd=cwd, **env)
 
 

@@ -12,8 +12,8 @@ from conftest import LIGHTNING, SCRIPTS, clean_env, run_script
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, ledger_path
 from lightning_ett.launch.cli import main
-from lightning_ett.launch.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
 from lightning_ett.launch.launcher import failure_reason, next_attempt, torchrun_argv
+from lightning_ett.lifecycle.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
 
 
 @pytest.fixture

@@ -24,10 +24,11 @@ ALLOWED: dict[str, set[str]] = {
     "publish": {"durable", "instrument", "checkpoint"},
     "watch": {"durable", "instrument"},
     "fp8": {"durable", "instrument"},
-    "launch": {"durable", "instrument", "watch", "tune"},
+    "lifecycle": {"durable", "instrument"},
+    "launch": {"durable", "instrument", "watch", "tune", "lifecycle"},
     "tune": {"durable", "instrument", "checkpoint"},
     "strategies": {"durable", "instrument", "patching", "checkpoint"},
-    "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "launch", "watch", "fp8"},
+    "callbacks": {"durable", "instrument", "patching", "checkpoint", "publish", "compile", "lifecycle", "watch", "fp8"},
 }
 #: Third-party packages the instrument must not import (``lightning-ett report`` runs without them).
 HEAVY = ("lightning", "torchrec", "wandb", "torch", "fbgemm_gpu")

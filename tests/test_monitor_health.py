@@ -11,7 +11,7 @@ from lightning_ett import ETTMonitor
 from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.summary import summarize_run_dir
 from lightning_ett.instrument.timeline import STRAGGLER_FACT
-from lightning_ett.launch.faults import ENV_FAULT_SLOW
+from lightning_ett.lifecycle.faults import ENV_FAULT_SLOW
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [

@@ -24,7 +24,7 @@ from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, 
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
-from lightning_ett.durable.errors import explain
+from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, explain
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUseError, OwnerLock
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, resolve_job_context
@@ -128,38 +128,39 @@ class AsyncCheckpoint(Checkpoint):
         overlap_staging: bool = True,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
-            raise TypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
+            raise ConfigurationTypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
         if every_n_train_steps is None and every_n_minutes is None:
-            raise ValueError("AsyncCheckpoint: give `every_n_train_steps` (e.g. 1000) or `every_n_minutes` (e.g. 30).")
+            raise ConfigurationError("AsyncCheckpoint: give `every_n_train_steps` (e.g. 1000) or `every_n_minutes` (e.g. 30).")
         if every_n_train_steps is not None and every_n_minutes is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}, every_n_minutes={every_n_minutes!r}): "
                 "the two intervals conflict; give only one."
-            )
+                )
         auto = every_n_train_steps == "auto"
         if every_n_train_steps is not None and not auto and (
             not isinstance(every_n_train_steps, int) or isinstance(every_n_train_steps, bool) or every_n_train_steps < 1
         ):
-            raise ValueError(f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}): expected an int >= 1 or 'auto'.")
+            raise ConfigurationError(
+                f"AsyncCheckpoint(every_n_train_steps={every_n_train_steps!r}): expected an int >= 1 or 'auto'.")
         if mtbf_hours is not None and (isinstance(mtbf_hours, bool) or not isinstance(mtbf_hours, (int, float))
                                        or mtbf_hours <= 0):
-            raise ValueError(f"AsyncCheckpoint(mtbf_hours={mtbf_hours!r}): expected a number of hours > 0, or None to "
-                             "estimate it from the job's ledger.")
+            raise ConfigurationError(f"AsyncCheckpoint(mtbf_hours={mtbf_hours!r}): expected a number of hours > 0, or None to "
+                                     "estimate it from the job's ledger.")
         if isinstance(max_interval_minutes, bool) or not isinstance(max_interval_minutes, (int, float)) \
                 or not max_interval_minutes > 0:
-            raise ValueError(f"AsyncCheckpoint(max_interval_minutes={max_interval_minutes!r}): expected a number > 0.")
+            raise ConfigurationError(f"AsyncCheckpoint(max_interval_minutes={max_interval_minutes!r}): expected a number > 0.")
         if not auto and (mtbf_hours is not None or max_interval_minutes != 60.0):
             rank_zero_warn("AsyncCheckpoint: `mtbf_hours` and `max_interval_minutes` only apply to "
                            "every_n_train_steps='auto'; they are ignored.")
         if every_n_minutes is not None and (isinstance(every_n_minutes, bool) or not isinstance(every_n_minutes, (int, float))
                                             or every_n_minutes <= 0):
-            raise ValueError(f"AsyncCheckpoint(every_n_minutes={every_n_minutes!r}): expected a number > 0.")
+            raise ConfigurationError(f"AsyncCheckpoint(every_n_minutes={every_n_minutes!r}): expected a number > 0.")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or isinstance(keep_last_n, bool) or keep_last_n < 1):
-            raise ValueError(f"AsyncCheckpoint(keep_last_n={keep_last_n!r}): expected an int >= 1, or None to keep all.")
+            raise ConfigurationError(f"AsyncCheckpoint(keep_last_n={keep_last_n!r}): expected an int >= 1, or None to keep all.")
         if when_busy not in ("skip", "wait"):
-            raise ValueError(f"AsyncCheckpoint(when_busy={when_busy!r}): expected 'skip' or 'wait'.")
+            raise ConfigurationError(f"AsyncCheckpoint(when_busy={when_busy!r}): expected 'skip' or 'wait'.")
         if not isinstance(overlap_staging, bool):
-            raise TypeError(f"AsyncCheckpoint(overlap_staging={overlap_staging!r}): expected True or False.")
+            raise ConfigurationTypeError(f"AsyncCheckpoint(overlap_staging={overlap_staging!r}): expected True or False.")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.auto = auto
@@ -642,11 +643,11 @@ def _require_full_copy(trainer: pl.Trainer, state_dict: dict[str, Any]) -> None:
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(v, (ShardedTensor, DTensor)) for v in state_dict.values()):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"AsyncCheckpoint: {type(trainer.strategy).__name__} shards the model's state, and AsyncCheckpoint writes "
             "sharded state only with ETTStrategy (or a strategy with `dcp_checkpoint_tensors`). Use ETTStrategy, or a "
             "strategy that keeps a full copy of the model on every rank (single device, DDP)."
-        )
+            )
 
 
 def _mutates_in_backward(trainer: pl.Trainer) -> bool:

@@ -20,6 +20,7 @@ from lightning_ett.compile.cache import (
     compile_metrics,
     configure,
 )
+from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.instrument.compile_events import CompileTracker, compile_tracker
 from lightning_ett.patching import Patches
@@ -71,11 +72,12 @@ class CompileCache(Callback):
         batch_fusion: bool = False,
     ) -> None:
         if not isinstance(cache_dir, (str, Path)) or not str(cache_dir):
-            raise TypeError(f"CompileCache(cache_dir={cache_dir!r}): expected a directory path (str or Path).")
+            raise ConfigurationTypeError(f"CompileCache(cache_dir={cache_dir!r}): expected a directory path (str or Path).")
         if job_id is not None and (not isinstance(job_id, str) or not job_id):
-            raise ValueError(f"CompileCache(job_id={job_id!r}): expected a non-empty string or None.")
+            raise ConfigurationError(f"CompileCache(job_id={job_id!r}): expected a non-empty string or None.")
         if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
-            raise TypeError(f"CompileCache(compile_kwargs={compile_kwargs!r}): expected a dict of torch.compile arguments.")
+            raise ConfigurationTypeError(
+                f"CompileCache(compile_kwargs={compile_kwargs!r}): expected a dict of torch.compile arguments.")
         self.cache_dir = Path(cache_dir).absolute()
         self.job_id = job_id or "lightning-ett-" + hashlib.sha1(str(self.cache_dir).encode()).hexdigest()[:12]
         self.compile_module = compile_module

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.compile.shapes import mark_batch_dynamic
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.instrument.compile_events import CompileTracker, compile_tracker
 
 __all__ = ["DynamicShapes", "mark_batch_dynamic"]
@@ -39,9 +40,9 @@ class DynamicShapes(Callback):
 
     def __init__(self, batch_dim: int = 0, log_every_n_steps: int = 50) -> None:
         if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
-            raise ValueError(f"DynamicShapes(batch_dim={batch_dim!r}): expected an int >= 0 (usually 0).")
+            raise ConfigurationError(f"DynamicShapes(batch_dim={batch_dim!r}): expected an int >= 0 (usually 0).")
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
-            raise ValueError(f"DynamicShapes(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1.")
+            raise ConfigurationError(f"DynamicShapes(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1.")
         self.batch_dim = batch_dim
         self.log_every_n_steps = log_every_n_steps
         self._tracker: CompileTracker | None = None

@@ -20,6 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ett.callbacks.loop_state import accumulating
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.durable.files import atomic_write_text
 from lightning_ett.fp8.cast import RECIPES
 from lightning_ett.fp8.eligible import eligible
@@ -90,8 +91,8 @@ class FP8Probe(Callback):
     ) -> None:
         _validate(every_n_steps, sqnr_threshold_db, confidence, max_overhead, recipe)
         if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 16):
-            raise ValueError(f"FP8Probe(max_rows={max_rows!r}): expected an int >= 16 (rows of a GEMM measured per "
-                             "sample), or None for all rows.")
+            raise ConfigurationError(f"FP8Probe(max_rows={max_rows!r}): expected an int >= 16 (rows of a GEMM measured per "
+                                     "sample), or None for all rows.")
         self.max_rows = max_rows
         self.every_n_steps = every_n_steps
         self.sqnr_threshold_db = float(sqnr_threshold_db)
@@ -135,8 +136,8 @@ class FP8Probe(Callback):
         listing = f"its nn.Linear layers are: {names}" if names else "it has no nn.Linear layer"
         for pattern in self.include or []:
             if not any(_matches(fqn, pattern) for fqn in names):
-                raise ValueError(f"FP8Probe(include=[..., {pattern!r}, ...]): the pattern matches no nn.Linear layer of "
-                                 f"{type(pl_module).__name__}; {listing}. Patterns are fnmatch patterns of module names.")
+                raise ConfigurationError(f"FP8Probe(include=[..., {pattern!r}, ...]): the pattern matches no nn.Linear layer of "
+                                         f"{type(pl_module).__name__}; {listing}. Patterns are fnmatch patterns of module names.")
         for pattern in self.exclude or []:
             if not any(_matches(fqn, pattern) for fqn in names):
                 warnings.warn(f"FP8Probe(exclude=[..., {pattern!r}, ...]) matches no nn.Linear layer; {listing}.",
@@ -144,8 +145,8 @@ class FP8Probe(Callback):
         selected = [fqn for fqn in names if (self.include is None or any(_matches(fqn, p) for p in self.include))
                     and not any(_matches(fqn, p) for p in self.exclude or [])]
         if not selected:
-            raise ValueError(f"FP8Probe(include={self.include!r}, exclude={self.exclude!r}) selects no layer to probe "
-                             f"in {type(pl_module).__name__}; {listing}.")
+            raise ConfigurationError(f"FP8Probe(include={self.include!r}, exclude={self.exclude!r}) selects no layer to probe "
+                                     f"in {type(pl_module).__name__}; {listing}.")
         return selected
 
     @override
@@ -358,17 +359,18 @@ def _validate(every_n_steps: Any, threshold: Any, confidence: Any, max_overhead:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
     if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-        raise ValueError(f"FP8Probe(every_n_steps={every_n_steps!r}): expected an int >= 1.")
+        raise ConfigurationError(f"FP8Probe(every_n_steps={every_n_steps!r}): expected an int >= 1.")
     if not number(threshold) or not 0 < threshold < 100:
-        raise ValueError(f"FP8Probe(sqnr_threshold_db={threshold!r}): expected a number of dB in (0, 100), e.g. "
-                         f"{DEFAULT_SQNR_THRESHOLD_DB:g} (an RMS error of 10% of the GEMM's output).")
+        raise ConfigurationError(f"FP8Probe(sqnr_threshold_db={threshold!r}): expected a number of dB in (0, 100), e.g. "
+                                 f"{DEFAULT_SQNR_THRESHOLD_DB:g} (an RMS error of 10% of the GEMM's output).")
     if not number(confidence) or not 0 < confidence < 1:
-        raise ValueError(f"FP8Probe(confidence={confidence!r}): expected a probability strictly between 0 and 1, e.g. 0.95.")
+        raise ConfigurationError(
+            f"FP8Probe(confidence={confidence!r}): expected a probability strictly between 0 and 1, e.g. 0.95.")
     if not number(max_overhead) or not 0 < max_overhead < 1:
-        raise ValueError(f"FP8Probe(max_overhead={max_overhead!r}): expected a share of training time in (0, 1), "
-                         "e.g. 0.02.")
+        raise ConfigurationError(f"FP8Probe(max_overhead={max_overhead!r}): expected a share of training time in (0, 1), "
+                                 "e.g. 0.02.")
     if recipe not in RECIPES:
-        raise ValueError(f"FP8Probe(recipe={recipe!r}): expected one of {list(RECIPES)} (torchao's float8 recipes).")
+        raise ConfigurationError(f"FP8Probe(recipe={recipe!r}): expected one of {list(RECIPES)} (torchao's float8 recipes).")
 
 
 def _patterns(value: Any, name: str) -> list[str] | None:
@@ -376,7 +378,7 @@ def _patterns(value: Any, name: str) -> list[str] | None:
         return None
     patterns = [value] if isinstance(value, str) else value
     if not isinstance(patterns, (list, tuple)) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise ValueError(f"FP8Probe({name}={value!r}): expected a non-empty list of fqn patterns (fnmatch), or None.")
+        raise ConfigurationError(f"FP8Probe({name}={value!r}): expected a non-empty list of fqn patterns (fnmatch), or None.")
     return list(patterns)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from pathlib import Path
@@ -18,13 +19,14 @@ from lightning_ett.callbacks.loggers import health_metrics, log_breakdown, log_t
 from lightning_ett.callbacks.startup import StartupProbe
 from lightning_ett.callbacks.stragglers import StragglerProbe
 from lightning_ett.compile.shapes import batch_size
-from lightning_ett.durable.errors import explain
+from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, explain
 from lightning_ett.instrument.compile_events import compile_tracker
 from lightning_ett.instrument.environment import (
     ENV_HANG_WATCH,
     ENV_LAUNCHER,
     ENV_RUN_DIR,
     JobContext,
+    env_rank,
     import_time,
     resolve_job_context,
     write_job_file,
@@ -33,7 +35,7 @@ from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.step_health import RollingETT, StepHealth
 from lightning_ett.instrument.summary import Summary, summarize, summarize_run_dir
 from lightning_ett.instrument.timeline import BATCH_FACT, LOST, PHASE_NAMES, Phase, Timeline, get_timeline, record_phase
-from lightning_ett.launch.faults import (
+from lightning_ett.lifecycle.faults import (
     faults_from_env,
     hang_collective_group,
     hang_faults_from_env,
@@ -43,7 +45,7 @@ from lightning_ett.launch.faults import (
     random_failures_from_env,
     slow_fault_from_env,
 )
-from lightning_ett.launch.lifeline import hold_on_to_launcher
+from lightning_ett.lifecycle.lifeline import hold_on_to_launcher
 from lightning_ett.patching import Patches
 
 
@@ -102,9 +104,9 @@ class ETTMonitor(Callback):
                  straggler_every_n_steps: int = 25, straggler_threshold: float = 0.1) -> None:
         _check_straggler_args(straggler_every_n_steps, straggler_threshold)
         if not isinstance(log_every_n_steps, int) or isinstance(log_every_n_steps, bool) or log_every_n_steps < 1:
-            raise ValueError(f"ETTMonitor(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1, e.g. 50.")
+            raise ConfigurationError(f"ETTMonitor(log_every_n_steps={log_every_n_steps!r}): expected an int >= 1, e.g. 50.")
         if run_dir is not None and not isinstance(run_dir, (str, Path)):
-            raise TypeError(f"ETTMonitor(run_dir={run_dir!r}): expected a path (str or Path) or None.")
+            raise ConfigurationTypeError(f"ETTMonitor(run_dir={run_dir!r}): expected a path (str or Path) or None.")
         self.log_every_n_steps = log_every_n_steps
         self.report_on_end = report_on_end
         # Resolved now, not at setup: Lightning spawns the other ranks before `setup`, and
@@ -117,7 +119,7 @@ class ETTMonitor(Callback):
             )
         self.context: JobContext = resolve_job_context(run_dir)
         hold_on_to_launcher()  # `--no-preload` workers die with `lightning run` too (no-op elsewhere)
-        self._faults = faults_from_env()  # the documented fault-injection switches (lightning_ett.launch.faults)
+        self._faults = faults_from_env()  # the documented fault-injection switches (lightning_ett.lifecycle.faults)
         self._random_failures = random_failures_from_env()
         self._hang_faults = hang_faults_from_env()
         self._hang_group: Any = None  # the side group an injected collective hang blocks on
@@ -126,11 +128,16 @@ class ETTMonitor(Callback):
         self._rolling: RollingETT | None = None  # rank zero: ETT% over the last 5/15/60 minutes
         self._step_records = 0  # Timeline.recorded when the current step began
         self._last_step: tuple[float, int] | None = None  # (duration, records at its start): judged at the next start
+        self._bound_early = False
         if os.environ.get(ENV_HANG_WATCH):  # `lightning run` watches this rank's ledger for hangs
             from lightning_ett.watch.stacks import register_dump_signal
 
-            register_dump_signal()
+            register_dump_signal()  # done already in lightning run's workers; here for a process they did not start
             self._timeline.announce = True
+            # The launcher numbered the attempt and torchelastic the rank: bind now, so that the watch sees this
+            # rank from here on (the data module's setup runs before any callback hook) and what it begins.
+            self._timeline.bind(self.context.run_dir, env_rank(), self.context.attempt, self._header(world_size=None))
+            self._bound_early = True
         self._mark = time.time()
         self._step_start: float | None = None
         self._training_began = time.time()  # this attempt's first training batch (set then)
@@ -144,6 +151,11 @@ class ETTMonitor(Callback):
             imported = import_time()
             self._timeline.record(Phase.IMPORT, min(self.context.process_start, imported), imported)
             self._timeline.import_recorded = True
+
+    def _header(self, world_size: int | None, device: str | None = None) -> dict[str, Any]:
+        ctx = self.context
+        return {"job_id": ctx.job_id, "job_start": ctx.job_start, "attempt_start": ctx.attempt_start,
+                "process_start": ctx.process_start, "world_size": world_size, "device": device}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -172,9 +184,10 @@ class ETTMonitor(Callback):
         if attempt != self.context.attempt:
             self.context = dataclasses.replace(self.context, attempt=attempt)
         ctx = self.context
-        header = {"job_id": ctx.job_id, "job_start": ctx.job_start, "attempt_start": ctx.attempt_start,
-                  "process_start": ctx.process_start, "world_size": trainer.world_size}
+        header = self._header(trainer.world_size, trainer.strategy.root_device.type)
         self._timeline.bind(ctx.run_dir, trainer.global_rank, ctx.attempt, header)
+        if self._bound_early:  # its header was written then: add what only the Trainer knows
+            self._timeline.amend_header(world_size=trainer.world_size, device=header["device"])
         if trainer.is_global_zero:
             write_job_file(ctx.run_dir, ctx.job_id, ctx.job_start)
         self._mark = time.time()
@@ -184,6 +197,9 @@ class ETTMonitor(Callback):
         compile_tracker()  # compilations become `compile` events, nested in the step that triggered them
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
+        connector = trainer._checkpoint_connector
+        if hasattr(connector, "_restore_modules_and_callbacks") and hasattr(connector, "_loaded_checkpoint"):
+            self._patches.setattr(connector, "_restore_modules_and_callbacks", _timed_restore(connector))
         self._stragglers.setup(trainer, pl_module, self._patches)
 
     def _wrap(self, owner: Any, name: str, phase: Phase) -> None:
@@ -372,14 +388,45 @@ class ETTMonitor(Callback):
             )
 
 
+def _timed_restore(connector: Any) -> Any:
+    """Lightning's restore from a checkpoint as ``checkpoint_load``: the load, then the model's, data module's and
+    callbacks' state, their ``on_load_checkpoint`` hooks included. A restore with no checkpoint records nothing.
+
+    Whether there is one is known only after the load (AsyncCheckpoint picks it inside ``resume_start``), so the
+    phase is announced when the model's state is restored, and recorded from the restore's start to its end.
+    """
+    restore = connector._restore_modules_and_callbacks
+
+    @functools.wraps(restore)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        restore_model = connector.restore_model
+
+        def announced_restore_model() -> Any:
+            if connector._loaded_checkpoint:
+                get_timeline().begin(Phase.CHECKPOINT_LOAD)
+            return restore_model()
+
+        patches = Patches()
+        patches.setattr(connector, "restore_model", announced_restore_model)
+        try:
+            return restore(*args, **kwargs)
+        finally:
+            patches.undo()
+            if connector._loaded_checkpoint:
+                get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())
+
+    return timed
+
+
 def _check_straggler_args(every_n_steps: Any, threshold: Any) -> None:
     if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 0:
-        raise ValueError(f"ETTMonitor(straggler_every_n_steps={every_n_steps!r}): expected an int >= 0, e.g. 25 "
-                         "(0 disables the straggler diagnosis).")
+        raise ConfigurationError(f"ETTMonitor(straggler_every_n_steps={every_n_steps!r}): expected an int >= 0, e.g. 25 "
+                                 "(0 disables the straggler diagnosis).")
     if (not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not threshold > 0
             or threshold == float("inf")):
-        raise ValueError(f"ETTMonitor(straggler_threshold={threshold!r}): expected a number > 0, the fraction of the "
-                         "ideal step time the others must wait for one rank per step to name it, e.g. 0.1 (10%).")
+        raise ConfigurationError(f"ETTMonitor(straggler_threshold={threshold!r}): expected a number > 0, the fraction of the "
+                                 "ideal step time the others must wait for one rank per step to name it, e.g. 0.1 (10%).")
 
 
 def _metrics(seconds: dict[str, float], wall: float) -> dict[str, float]:

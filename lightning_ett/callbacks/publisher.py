@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_ett.callbacks.checkpoint import AsyncCheckpoint
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.checkpoint.layout import PIN_FILE
+from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.instrument.timeline import PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -80,17 +81,19 @@ class ModelPublisher(Callback):
         end_timeout_s: float = 300.0,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
-            raise TypeError(f"ModelPublisher(dirpath={dirpath!r}): expected a directory path (str or Path).")
+            raise ConfigurationTypeError(f"ModelPublisher(dirpath={dirpath!r}): expected a directory path (str or Path).")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or isinstance(keep_last_n, bool) or keep_last_n < 1):
-            raise ValueError(f"ModelPublisher(keep_last_n={keep_last_n!r}): expected an int >= 1, or None to keep all.")
+            raise ConfigurationError(f"ModelPublisher(keep_last_n={keep_last_n!r}): expected an int >= 1, or None to keep all.")
         if isinstance(metrics, str) or not all(isinstance(m, str) and m for m in metrics):
-            raise TypeError(f"ModelPublisher(metrics={metrics!r}): expected a list of metric names, e.g. ['val_auroc'].")
+            raise ConfigurationTypeError(
+                f"ModelPublisher(metrics={metrics!r}): expected a list of metric names, e.g. ['val_auroc'].")
         if len(set(metrics)) != len(metrics):
-            raise ValueError(f"ModelPublisher(metrics={list(metrics)!r}): a name is repeated.")
+            raise ConfigurationError(f"ModelPublisher(metrics={list(metrics)!r}): a name is repeated.")
         if submodule is not None and (not isinstance(submodule, str) or not submodule):
-            raise ValueError(f"ModelPublisher(submodule={submodule!r}): expected an attribute path such as 'model', or None.")
+            raise ConfigurationError(
+                f"ModelPublisher(submodule={submodule!r}): expected an attribute path such as 'model', or None.")
         if not end_timeout_s > 0:
-            raise ValueError(f"ModelPublisher(end_timeout_s={end_timeout_s!r}): expected a number of seconds > 0.")
+            raise ConfigurationError(f"ModelPublisher(end_timeout_s={end_timeout_s!r}): expected a number of seconds > 0.")
         self.dirpath = Path(dirpath)
         self.keep_last_n = keep_last_n
         self.metrics = list(metrics)
@@ -138,11 +141,11 @@ class ModelPublisher(Callback):
             return found[0]
         if not found:
             which = f" with dirpath {str(self.checkpoint_dirpath)!r}" if self.checkpoint_dirpath else ""
-            raise ValueError(f"ModelPublisher publishes the checkpoints AsyncCheckpoint writes, but the Trainer has no "
-                             f"AsyncCheckpoint{which}. Add AsyncCheckpoint(dirpath=..., every_n_train_steps=...) to "
-                             "Trainer(callbacks=[...]).")
-        raise ValueError("ModelPublisher: the Trainer has several AsyncCheckpoint callbacks; pass "
-                         "ModelPublisher(checkpoint_dirpath=...) to choose the one to publish from.")
+            raise ConfigurationError(f"ModelPublisher publishes the checkpoints AsyncCheckpoint writes, but the Trainer has no "
+                                     f"AsyncCheckpoint{which}. Add AsyncCheckpoint(dirpath=..., every_n_train_steps=...) to "
+                                     "Trainer(callbacks=[...]).")
+        raise ConfigurationError("ModelPublisher: the Trainer has several AsyncCheckpoint callbacks; pass "
+                                 "ModelPublisher(checkpoint_dirpath=...) to choose the one to publish from.")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -155,8 +158,9 @@ class ModelPublisher(Callback):
             try:
                 pl_module.get_submodule(self.submodule)
             except AttributeError:
-                raise ValueError(f"ModelPublisher(submodule={self.submodule!r}): {type(pl_module).__name__} has no such "
-                                 "submodule; pass the attribute path of the model to serve, e.g. 'model', or None.") from None
+                raise ConfigurationError(
+                    f"ModelPublisher(submodule={self.submodule!r}): {type(pl_module).__name__} has no such "
+                    "submodule; pass the attribute path of the model to serve, e.g. 'model', or None.") from None
         error = writable_dir_error(self.dirpath, "ModelPublisher(dirpath") if trainer.is_global_zero else None
         said = trainer.strategy.broadcast(str(error) if error else None, src=0)
         if said is not None:
@@ -362,11 +366,11 @@ def _resolve_metric(pl_module: pl.LightningModule, name: str) -> Any:
     if isinstance(target, Metric):
         return target
     known = sorted(n for n, m in pl_module.named_modules() if isinstance(m, Metric) and n)
-    raise ValueError(
+    raise ConfigurationError(
         f"ModelPublisher(metrics=[..., {name!r}, ...]): {name!r} is not a torchmetrics Metric of "
         f"{type(pl_module).__name__} (it has: {', '.join(known) or 'none'}) nor one of {', '.join(BUILTIN_METRICS)}. "
         "Values logged with self.log are known only once logged; name the Metric attribute instead."
-    )
+        )
 
 
 def _unpin(checkpoint: Path) -> None:

@@ -1,7 +1,7 @@
 """ETTMonitor's straggler diagnosis in a Lightning job: the stamps, the gather every N batches, the verdict.
 
 The method and what it can and cannot see: :mod:`lightning_ett.watch.stragglers`. Also applies
-``LIGHTNING_ETT_FAULT_SLOW`` (:func:`lightning_ett.launch.faults.slow_fault_from_env`) to the named
+``LIGHTNING_ETT_FAULT_SLOW`` (:func:`lightning_ett.lifecycle.faults.slow_fault_from_env`) to the named
 rank, for tests and benchmarks.
 """
 
@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ett.instrument.step_health import StepHealth
 from lightning_ett.instrument.timeline import STRAGGLER_FACT, get_timeline
-from lightning_ett.launch.faults import SlowFault
+from lightning_ett.lifecycle.faults import SlowFault
 from lightning_ett.patching import Patches
 from lightning_ett.watch.stragglers import ORIGIN_GATHERS, StragglerTracker, WindowStamps, window_scores
 

@@ -67,3 +67,15 @@ def explain(error: BaseException, path: str | os.PathLike | None = None) -> str:
         if free is not None and free < _FULL_DISK_BYTES:
             return f"No space left on device (ENOSPC){where}: {free} bytes free on its filesystem"
     return f"{type(cause).__name__}: {first[:500]}{where}"
+
+
+class ConfigurationError(ValueError):
+    """A setting that cannot work, with the argument and the fix named.
+
+    It fails the same way on every attempt, so ``lightning run`` ends the job at the first one
+    instead of retrying it ``--max-restarts`` times.
+    """
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """A :class:`ConfigurationError` about an argument's type (still a ``TypeError`` to those who catch one)."""

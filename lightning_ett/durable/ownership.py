@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lightning_ett.durable.procfs import process_alive, process_start_ticks
+
 #: Lock file of a checkpoint directory (``AsyncCheckpoint``).
 CHECKPOINT_OWNER_FILE = ".ett-owner"
 #: Seconds between an owner's heartbeats (the lock's mtime).
@@ -70,44 +72,6 @@ class DirectoryInUseError(RuntimeError):
 
 class StaleOwnerWarning(UserWarning):
     """A lock left by an owner that is gone was taken over."""
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat``); ``None`` where unknown."""
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
-
-
-def process_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """Whether ``pid`` runs on this host and, if ``start_ticks`` is given, is the process that started then.
-
-    A zombie (dead, not yet reaped by its parent) is not alive; neither is a newer process that
-    reuses the pid.
-    """
-    if pid <= 0:
-        return False
-    stat = _proc_stat(pid)
-    if stat is not None:
-        state, ticks = stat
-        return state not in ("Z", "X", "x") and (start_ticks is None or ticks == start_ticks)
-    if os.path.isdir("/proc/self"):
-        return False  # /proc exists and has no such pid
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])  # state (field 3) and starttime (field 22) of stat(5)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _pid_namespace() -> str | None:
@@ -395,4 +359,4 @@ def read_owner(path: str | os.PathLike) -> Owner | None:
 
 
 __all__ = ["CHECKPOINT_OWNER_FILE", "DirectoryInUseError", "Owner", "OwnerLock", "StaleOwnerWarning",
-           "process_alive", "process_start_ticks", "read_owner", "run_dir_owner_file"]
+           "read_owner", "run_dir_owner_file"]

@@ -28,8 +28,11 @@ ENV_EXPORTED_BY = "LIGHTNING_ETT_EXPORTED_BY"
 ENV_LAUNCHER = "LIGHTNING_ETT_LAUNCHER"
 #: Set by ``lightning run`` when its hang watch reads the ledgers: ranks announce phase starts.
 ENV_HANG_WATCH = "LIGHTNING_ETT_HANG_WATCH"
-#: Set by ``lightning run``: its pid. Its forkserver and workers die with it (:mod:`lightning_ett.launch.lifeline`).
+#: Set by ``lightning run``: its pid. Its forkserver and workers die with it (:mod:`lightning_ett.lifecycle.lifeline`).
 ENV_LAUNCHER_PID = "LIGHTNING_ETT_LAUNCHER_PID"
+#: Set by ``lightning run``: a token unique to the launch. Every process the job starts inherits it, so the
+#: launcher's sweeper finds them all when the launcher dies (:mod:`lightning_ett.lifecycle.sweeper`).
+ENV_LAUNCH_TOKEN = "LIGHTNING_ETT_LAUNCH_TOKEN"
 JOB_FILE = "job.json"
 
 DEFAULT_RUNS_ROOT = "ett_runs"

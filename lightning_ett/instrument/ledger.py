@@ -115,7 +115,9 @@ def _valid_record(record: dict[str, Any], phases: frozenset[str]) -> bool:
     return False
 
 
-_LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt", "rank"), "end": ()}
+#: ``suspicion``: the hang watch suspected a hang and found a rank working (no restart; what cleared it).
+_LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt", "rank"), "end": (),
+                    "suspicion": ("attempt",)}
 
 
 def _valid_launcher_record(record: dict[str, Any]) -> bool:

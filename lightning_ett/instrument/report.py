@@ -80,7 +80,11 @@ def render_table(summary: Summary, title: str | None = None) -> Table:
 
 def render_attempts(summary: Summary) -> Table:
     """One row per attempt: which steps it ran and how it ended (the launcher's words on failures)."""
-    table = Table(title="attempts", caption=f"job: {escape(summary.outcome)}" if summary.outcome else None)
+    outcome = summary.outcome
+    said = summary.attempts[-1].failure if summary.attempts else None
+    if outcome and said and outcome.endswith(f"; last failure: {said}"):  # the last row says it: once is enough
+        outcome = outcome[: -len(said) - len("; last failure: ")] + "; last failure: above"
+    table = Table(title="attempts", caption=f"job: {escape(outcome)}" if outcome else None)
     for name in ("attempt", "ranks", "steps", "seconds", "ended"):
         table.add_column(name, justify="right" if name in ("attempt", "seconds") else "left")
     for info in summary.attempts:

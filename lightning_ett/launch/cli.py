@@ -105,17 +105,19 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="Start each worker as a fresh `python SCRIPT` instead of forking it from a server that "
                      "imported torch, Lightning and TorchRec once per node.")
-    hang = run.add_argument_group("hang watch", "A rank alive but silent for longer than its phase's timeout is hung: "
-                                  "its stacks are dumped into the worker logs, the rank is named, and the group is "
-                                  "stopped and restarted (counted against --max-restarts).")
+    hang = run.add_argument_group("hang watch", "A job none of whose ranks makes progress (ledger, collectives, CPU, "
+                                  "I/O, stack) for longer than its phase allows is hung: its stacks are dumped into the "
+                                  "worker logs, the rank the others wait for is named, and the group is stopped and "
+                                  "restarted (counted against --max-restarts).")
     hang.add_argument("--hang-timeout", "--hang_timeout", action="append", default=[], metavar="PHASE=SECONDS",
-                      help="Seconds of silence before a rank in PHASE counts as hung (repeatable). PHASE: startup "
-                      "(before the first steps; 900), train (the floor under step-factor x median step; 15), compile "
-                      "(1800), checkpoint_load (900), checkpoint_save (900), eval (1800), data_init (900), "
-                      "shutdown (600).")
-    hang.add_argument("--hang-step-factor", "--hang_step_factor", type=float, default=None, metavar="X",
-                      help="A training step may take X times the rank's median step time before it counts as "
-                      "hung (default 10; never less than the train timeout).")
+                      help="Fix PHASE's limit at SECONDS, never learned (repeatable). PHASE: startup, train, compile, "
+                      "checkpoint_load, checkpoint_save, eval, data_init, publish, shutdown. Unfixed limits are "
+                      "generous defaults (600 s; compile and eval 1800 s) until the phase was seen 3 times, then "
+                      "--hang-safety-factor x its longest time so far, never under --hang-min-limit.")
+    hang.add_argument("--hang-safety-factor", "--hang_safety_factor", "--hang-step-factor", type=float, default=None,
+                      metavar="X", help="A learned limit is X times the longest time the phase took so far (default 5).")
+    hang.add_argument("--hang-min-limit", "--hang_min_limit", type=float, default=None, metavar="SECONDS",
+                      help="No learned limit is shorter than this (default 10).")
     hang.add_argument("--hang-grace", "--hang_grace", type=float, default=None, metavar="SECONDS",
                       help="Between SIGTERM and SIGKILL when a hung group is stopped (default 1: a hung rank "
                       "rarely exits on SIGTERM, and nothing needs the wait: checkpoints commit atomically, W&B "
@@ -191,7 +193,7 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
 
 def _check_fault_switches() -> None:
     """A malformed ``LIGHTNING_ETT_FAULT_*`` fails here, before any worker starts (the error names the variable)."""
-    from lightning_ett.launch import faults
+    from lightning_ett.lifecycle import faults
 
     faults.faults_from_env()
     faults.random_failures_from_env()
@@ -202,9 +204,10 @@ def _check_fault_switches() -> None:
 def _hang_options(args: argparse.Namespace) -> HangOptions:
     """``--hang-*`` flags as :class:`HangOptions`; a bad value names its flag and the expected form."""
     from lightning_ett.launch.hang_response import HangOptions
-    from lightning_ett.watch.hang import HangTimeouts
+    from lightning_ett.watch.limits import HangTimeouts
 
     timeouts: dict[str, float] = {}
+    learning: dict[str, float] = {}
     phases = HangTimeouts.phases()
     for item in args.hang_timeout:
         phase, sep, value = item.partition("=")
@@ -216,12 +219,14 @@ def _hang_options(args: argparse.Namespace) -> HangOptions:
             raise ValueError(f"--hang-timeout {item!r}: expected PHASE=SECONDS with SECONDS > 0 and PHASE one of "
                              f"{', '.join(phases)}; e.g. --hang-timeout train=60.")
         timeouts[phase] = seconds
-    if args.hang_step_factor is not None:
-        if not args.hang_step_factor > 0:
-            raise ValueError(f"--hang-step-factor {args.hang_step_factor!r}: expected a number > 0, e.g. 10.")
-        timeouts["step_factor"] = args.hang_step_factor
+    for flag, name, value in (("--hang-safety-factor", "safety_factor", args.hang_safety_factor),
+                              ("--hang-min-limit", "min_limit", args.hang_min_limit)):
+        if value is not None:
+            if not value > 0:
+                raise ValueError(f"{flag} {value!r}: expected a number > 0, e.g. {5 if name == 'safety_factor' else 10}.")
+            learning[name] = value
     grace = {} if args.hang_grace is None else {"grace_s": args.hang_grace}  # HangOptions checks it, naming the flag
-    return HangOptions(timeouts=HangTimeouts(**timeouts), enabled=args.hang_watch, **grace)
+    return HangOptions(timeouts=HangTimeouts(**learning).with_fixed(**timeouts), enabled=args.hang_watch, **grace)
 
 
 def build_parser(prog: str = "lightning-ett") -> argparse.ArgumentParser:

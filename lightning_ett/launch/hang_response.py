@@ -1,22 +1,31 @@
-"""``lightning run``'s answer to a hang: notice it, dump every rank's stacks, name the rank, stop the group.
+"""``lightning run``'s answer to a hang: notice it, confirm it, dump every rank's stacks, name the rank, stop the group.
 
 The agent calls :meth:`HangWatch.poll` from its monitoring loop. The watch reads each of this
-node's ranks' ledger tails (:mod:`lightning_ett.watch.progress`), so the training path pays
-nothing for it. When a rank stays silent past its phase's limit (:mod:`lightning_ett.watch.hang`):
+node's ranks' ledger tails (:mod:`lightning_ett.watch.progress`) and samples their process trees'
+CPU and I/O (:mod:`lightning_ett.watch.activity`), so the training path pays nothing for it. The
+decisions are :mod:`lightning_ett.watch.hang`'s:
 
-1. every rank dumps all its threads' Python stacks into its worker log (faulthandler, on
-   :data:`~lightning_ett.watch.stacks.DUMP_SIGNAL`), and ``py-spy`` adds native frames where it can;
-2. the root-cause rank is named from evidence;
-3. the group gets SIGTERM, a grace period, then SIGKILL. The agent then sees failed workers and
-   restarts the group, counted against ``--max-restarts``; in a multi-node job the other nodes'
-   agents restart theirs too, as after a crash;
-4. :meth:`HangVerdict.failure_records` go into the launcher ledger: the summary turns each
-   rank's time from its last progress to the kill into the ``hang`` phase.
+1. **Suspect.** No rank wrote to its ledger for longer than the job's limit (the longest of its
+   ranks' phase limits, learned from the job's own history: :mod:`lightning_ett.watch.limits`),
+   and no rank whose CPU time counts is busy.
+2. **Confirm** over :data:`CONFIRM_S`: each rank's flight recorder (:mod:`lightning_ett.watch.flight_recorder`),
+   ledger and process tree are read twice; then, if nothing moved, two stack dumps. Any rank that
+   made progress clears the suspicion: its silent peers wait for it. The watch looks again after
+   a back-off.
+3. **Respond.** The rank the others wait for is named from evidence, ``py-spy`` adds native frames
+   where it can, and every rank's process group gets SIGTERM, a grace period, then SIGKILL. The
+   agent then sees failed workers and restarts the group, counted against ``--max-restarts``; in a
+   multi-node job the other nodes' agents restart theirs too, as after a crash.
+4. :meth:`HangVerdict.failure_records` go into the launcher ledger: the summary turns each rank's
+   time from its last progress to the kill into the ``hang`` phase.
+
+With several nodes, each node watches its own ranks. A node whose ranks all wait inside collectives,
+none of them behind, holds none of the cause: it waits for the node that does (whose watch names
+the rank) until the phase's unlearned default has passed.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -24,14 +33,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_ett.durable.ownership import process_alive
-from lightning_ett.instrument.ledger import ledger_path, recorded_attempts
-from lightning_ett.watch.hang import HangTimeouts, Stall, blame, find_stall
+from lightning_ett.durable.procfs import TreeSample, process_alive, sample_tree
+from lightning_ett.instrument.ledger import ledger_path, read_launcher_records, read_ledger, recorded_attempts
+from lightning_ett.lifecycle.sweeper import kill_process_groups
+from lightning_ett.watch import flight_recorder
+from lightning_ett.watch.activity import SAMPLE_S, Activity, ActivityMeter, activity_between
+from lightning_ett.watch.flight_recorder import Collectives
+from lightning_ett.watch.hang import Blame, Evidence, Stall, all_waiting_remotely, blame, find_stall, working
+from lightning_ett.watch.limits import HangTimeouts, PhaseHistory
 from lightning_ett.watch.progress import LedgerTail, RankProgress
 from lightning_ett.watch.stacks import StackDump, py_spy_dumps, request_dumps
 
 #: How often the ledgers are read (the agent's own loop runs every ``monitor_interval``).
 POLL_S = 0.5
+#: The confirmation window: a suspect job's evidence is read at its start and at its end.
+CONFIRM_S = 2.0
+#: Between the two stack dumps of a confirmation.
+STACK_GAP_S = 1.0
+#: After a suspicion cleared, the watch looks again after this share of the job's limit, doubling while the same
+#: silence lasts, up to MAX_BACKOFF_S.
+BACKOFF_SHARE = 0.5
+MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -56,24 +78,26 @@ class HangVerdict:
     phase: str
     step: int | None
     frames: list[str]
-    evidence: str
-    ambiguous: bool
+    culprit: Blame
     since: dict[int, float]  # each rank's last progress: its ``hang`` phase starts there
     detected: float
     stopped: float
     stall: Stall
+    limits: dict[str, Any]
 
     @property
     def reason(self) -> str:
         where = f"hung in {self.phase}" + (f" at step {self.step}" if self.step is not None else "")
         frame = self.frames[0] if self.frames else "no stack dump"
-        return f"{where} (rank {self.rank}: {frame})" + (" [ambiguous]" if self.ambiguous else "")
+        named = "" if self.culprit.ambiguous else f"; named by {_SOURCES[self.culprit.source]}"
+        return f"{where} (rank {self.rank}: {frame}{named})" + (" [ambiguous]" if self.culprit.ambiguous else "")
 
     def failure_records(self) -> list[dict[str, Any]]:
         hang = {"phase": self.phase, "step": self.step, "rank": self.rank, "frames": self.frames,
-                "evidence": self.evidence, "ambiguous": self.ambiguous, "detected": self.detected,
-                "stopped": self.stopped, "since": {str(r): t for r, t in self.since.items()},
-                "silent_s": self.stall.silent_s, "limit_s": self.stall.limit_s, "stalled_rank": self.stall.rank}
+                "evidence": self.culprit.evidence, "source": self.culprit.source, "ambiguous": self.culprit.ambiguous,
+                "detected": self.detected, "stopped": self.stopped, "since": {str(r): t for r, t in self.since.items()},
+                "silent_s": self.stall.silent_s, "limit_s": self.stall.limit_s, "limit_phase": self.stall.phase,
+                "limited_by": self.stall.limited_by, "limits": self.limits}
         records = [{"kind": "failure", "attempt": self.attempt, "time": self.stopped, "rank": self.rank,
                     "exitcode": -int(signal.SIGKILL), "reason": self.reason, "root_cause": True, "hang": hang}]
         for rank in sorted(set(self.since) - {self.rank}):
@@ -83,22 +107,67 @@ class HangVerdict:
         return records
 
 
-class HangWatch:
-    """Watches this node's ranks of the running attempt (see the module docstring)."""
+_SOURCES = {"os": "the operating system", "flight_recorder": "the flight recorder", "progress": "its progress",
+            "stacks": "its stack", "first_silent": "first silence"}
 
-    def __init__(self, run_dir: Path, options: HangOptions) -> None:
+
+class HangWatch:
+    """Watches this node's ranks of the running attempt (see the module docstring).
+
+    Args:
+        run_dir: the job's run directory (the ledgers).
+        options: the ``--hang-*`` flags.
+        num_nodes: nodes in the job (the explanation and the deferral in the module docstring).
+        expects_ledgers: the job's script uses ETTMonitor (the launcher read it in the script or its
+            config), so its ranks are watched from the first instant of every attempt, before they
+            write anything. Otherwise they are watched once the job has written a ledger: a
+            script without ETTMonitor tells the watch nothing, and silence would read as a hang.
+        token: this launch's token (:mod:`lightning_ett.lifecycle.sweeper`), where the ranks serve their
+            flight recorder.
+    """
+
+    def __init__(self, run_dir: Path, options: HangOptions, num_nodes: int = 1, expects_ledgers: bool = False,
+                 token: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.options = options
+        self.num_nodes = num_nodes
+        self.token = token
         self._attempt = -1
         self._started = 0.0
         self._last_poll = 0.0
+        self._backoff_until = 0.0
+        self._backoff_s = 0.0
+        self._episode = -1.0
+        self._explained: list[float] = []  # starts of silences a working rank explained: not learned from
         self._tails: dict[int, LedgerTail] = {}
         self.progress: dict[int, RankProgress] = {}
-        self._ledgers_seen = bool(recorded_attempts(self.run_dir))  # this job's ranks write ledgers
+        self.meter = ActivityMeter()
+        self.history = PhaseHistory(options.timeouts)
+        self._ledgers_seen = expects_ledgers or bool(recorded_attempts(self.run_dir))
+        #: Suspicions cleared because a rank was working, as launcher-ledger records (the recorder writes them).
+        self.cleared: list[dict[str, Any]] = []
+        self._learn_from_earlier_launches()
+
+    def _learn_from_earlier_launches(self) -> None:
+        """A relaunch continues the job: learn from its earlier attempts, in the background (ledgers can be large)."""
+        earlier = recorded_attempts(self.run_dir)
+        if not earlier:
+            return
+        before = max(earlier) + 1
+
+        def learn() -> None:
+            ledgers = [lg for lg in read_ledger(self.run_dir) if lg.attempt < before]
+            explained = [float(r["time"]) - float(r.get("silent_s", 0.0)) for r in read_launcher_records(self.run_dir)
+                         if r.get("kind") == "suspicion"]
+            self.history.observe_ledgers(ledgers, explained)
+
+        threading.Thread(target=learn, name="ett-hang-history", daemon=True).start()
 
     def attempt_started(self, attempt: int, started: float) -> None:
         self._attempt, self._started = attempt, started
         self._tails, self.progress = {}, {}
+        self.meter = ActivityMeter()
+        self._backoff_until = 0.0
 
     def poll(self, workers: dict[int, tuple[int, str | None]]) -> HangVerdict | None:
         """Read the ledgers (at most every :data:`POLL_S`); on a hang, respond and return the verdict.
@@ -109,39 +178,128 @@ class HangWatch:
         if now - self._last_poll < POLL_S:
             return None
         self._last_poll = now
-        for rank in workers:
-            tail = self._tails.setdefault(rank, LedgerTail(ledger_path(self.run_dir, self._attempt, rank)))
-            progress = self.progress.setdefault(rank, RankProgress(rank, last_progress=self._started))
-            for record in tail.read():
-                progress.update(record)
-        # A rank that has written nothing yet is watched only once its job showed that it writes a ledger:
-        # a script without ETTMonitor tells the watch nothing, and silence would read as a hang.
+        self._read_tails(workers)
+        # A rank that has written nothing yet is watched only once its job showed that it writes a ledger.
         self._ledgers_seen = self._ledgers_seen or any(p.seen for p in self.progress.values())
         watched = {rank: self.progress[rank] for rank, (pid, _) in workers.items()
                    if (self.progress[rank].seen or self._ledgers_seen) and process_alive(pid)}
-        stall = find_stall(watched, self.options.timeouts, now)
-        return None if stall is None else self._respond(stall, watched, workers)
+        pids = {rank: workers[rank][0] for rank in watched}
+        self.meter.sample(pids, now)
+        stall = find_stall(watched, self.history, now)
+        if stall is None or now < self._backoff_until or not watched:
+            return None
+        if (busy := self._busy_without_recorder(watched, now)) is not None:
+            self._clear(stall, *busy)
+            return None
+        return self._confirm(stall, watched, workers)
 
-    def _respond(self, stall: Stall, ranks: dict[int, RankProgress],
-                 workers: dict[int, tuple[int, str | None]]) -> HangVerdict:
+    def _read_tails(self, workers: dict[int, tuple[int, str | None]]) -> None:
+        for rank in workers:
+            tail = self._tails.setdefault(rank, LedgerTail(ledger_path(self.run_dir, self._attempt, rank)))
+            progress = self.progress.setdefault(rank, RankProgress(rank, last_progress=self._started,
+                                                                   attempt_start=self._started))
+            for record in tail.read():
+                ended = progress.update(record)
+                if ended is not None:
+                    phase, seconds, steps_before = ended
+                    start, end = float(record.get("start", 0.0)), float(record.get("end", 0.0))
+                    if not any(start <= t <= end for t in self._explained):  # see PhaseHistory.observe_ledgers
+                        self.history.observe_event(phase, seconds, steps_before, start - progress.attempt_start)
+
+    def _busy_without_recorder(self, ranks: dict[int, RankProgress], now: float) -> tuple[int, str] | None:
+        """A rank busy right now by evidence that needs no flight recorder: I/O anywhere, CPU off CUDA."""
+        recent = now - 2 * SAMPLE_S
+        for rank, progress in ranks.items():
+            if progress.device != "cuda" and self.meter.busy_cpu_at.get(rank, 0.0) >= recent:
+                activity = self.meter.latest.get(rank)
+                return rank, f"its processes use {activity.cpu:.0%} of a core" if activity else "its processes use CPU"
+        for rank in ranks:
+            if self.meter.busy_io_at.get(rank, 0.0) >= recent:
+                activity = self.meter.latest.get(rank)
+                return rank, f"its processes move {activity.io_per_s / 1e6:.1f} MB/s" if activity else "its processes move data"
+        return None
+
+    def _clear(self, stall: Stall, rank: int, why: str) -> None:
+        """Not hung: a rank works. Said once per silence (in the launcher ledger); looked at again after a back-off
+        that doubles while the same silence lasts."""
+        now = time.time()
+        if stall.since != self._episode:  # one silence, one record
+            self._episode, self._backoff_s = stall.since, BACKOFF_SHARE * stall.limit_s
+            self._explained = [*self._explained[-63:], stall.since]
+            self.cleared.append({"kind": "suspicion", "attempt": self._attempt, "time": now, "working_rank": rank,
+                                 "evidence": why, "silent_s": round(stall.silent_s, 3), "limit_s": round(stall.limit_s, 3),
+                                 "limit_phase": stall.phase, "limited_by": stall.limited_by})
+        else:
+            self._backoff_s = min(2 * self._backoff_s, MAX_BACKOFF_S)
+        self._backoff_until = now + min(self._backoff_s, MAX_BACKOFF_S)
+
+    def _evidence(self, ranks: dict[int, RankProgress], stacks: dict[int, StackDump | None] | None = None,
+                  collectives: dict[int, Collectives | None] | None = None) -> dict[int, Evidence]:
+        collectives = collectives if collectives is not None else self._collectives(list(ranks))
+        return {rank: Evidence(p.last_progress, collectives.get(rank), (stacks or {}).get(rank))
+                for rank, p in ranks.items()}
+
+    def _collectives(self, ranks: list[int]) -> dict[int, Collectives | None]:
+        if self.token is None:
+            return dict.fromkeys(ranks)
+        return flight_recorder.request(self.token, self._attempt, ranks)
+
+    def _confirm(self, stall: Stall, ranks: dict[int, RankProgress],
+                 workers: dict[int, tuple[int, str | None]]) -> HangVerdict | None:
+        pids = {rank: workers[rank][0] for rank in ranks}
+        logs = {rank: workers[rank][1] for rank in ranks}
+        devices = {rank: p.device for rank, p in ranks.items()}
+        first, samples = self._evidence(ranks), _samples(pids)
+        time.sleep(CONFIRM_S)
+        self._read_tails(workers)
+        second, activity = self._evidence(ranks), _activity(samples, _samples(pids), CONFIRM_S)
+        if moved := working(first, second, activity, devices):
+            self._clear(stall, *next(iter(moved.items())))
+            return None
+        stacks_a = request_dumps(pids, logs)
+        time.sleep(STACK_GAP_S)
+        self._read_tails(workers)
+        stacks_b = request_dumps(pids, logs)
+        collectives = {rank: e.collectives for rank, e in second.items()}
+        before_stacks = {rank: Evidence(e.last_progress, e.collectives, stacks_a.get(rank)) for rank, e in second.items()}
+        if moved := working(before_stacks, self._evidence(ranks, stacks_b, collectives), {}, devices):
+            self._clear(stall, *next(iter(moved.items())))
+            return None
+        if (self.num_nodes > 1 and all_waiting_remotely(ranks, stacks_b, collectives)
+                and stall.silent_s < self.options.timeouts.default(stall.phase)):
+            self._clear(stall, -1, "the rank holding this node's ranks up is on another node, whose watch decides")
+            return None
+        states = {rank: (activity[rank].state if rank in activity else None) for rank in ranks}
+        return self._respond(stall, ranks, pids, logs, stacks_b, collectives, states)
+
+    def _respond(self, stall: Stall, ranks: dict[int, RankProgress], pids: dict[int, int], logs: dict[int, str | None],
+                 stacks: dict[int, StackDump | None], collectives: dict[int, Collectives | None],
+                 states: dict[int, str | None]) -> HangVerdict:
         detected = time.time()
-        pids = {rank: pid for rank, (pid, _) in workers.items()}
-        logs = {rank: log for rank, (_, log) in workers.items()}
         native = {rank: Path(log).parent / "py-spy-native.txt" for rank, log in logs.items() if log}
         spy = threading.Thread(target=py_spy_dumps, args=({r: pids[r] for r in native}, native), daemon=True,
                                name="ett-py-spy")
         spy.start()
-        stacks = request_dumps(pids, logs)
-        culprit = blame(ranks, stacks)
+        culprit = blame(ranks, stacks, collectives, states, self.num_nodes)
         spy.join(10.0)
         stopped = stop_processes(list(pids.values()), self.options.grace_s)
         blamed = ranks[culprit.rank]
+        phase = blamed.open_phase or ("shutdown" if blamed.done else "train" if blamed.trained_steps else "startup")
         return HangVerdict(
-            attempt=self._attempt, rank=culprit.rank, phase=blamed.phase, step=blamed.current_step,
-            frames=_frames(stacks.get(culprit.rank)), evidence=culprit.evidence, ambiguous=culprit.ambiguous,
+            attempt=self._attempt, rank=culprit.rank, phase=phase, step=blamed.current_step,
+            frames=_frames(stacks.get(culprit.rank)), culprit=culprit,
             since={rank: p.last_progress for rank, p in ranks.items()}, detected=detected, stopped=stopped,
-            stall=stall,
+            stall=stall, limits=self.history.learned(),
         )
+
+
+def _samples(pids: dict[int, int]) -> dict[int, TreeSample | None]:
+    return {rank: sample_tree(pid) for rank, pid in pids.items()}
+
+
+def _activity(before: dict[int, TreeSample | None], after: dict[int, TreeSample | None], seconds: float) -> dict[int, Activity]:
+    return {rank: activity_between(b, a, seconds) for rank, b in before.items()
+            if b is not None and (a := after.get(rank)) is not None}
 
 
 def _frames(dump: StackDump | None) -> list[str]:
@@ -154,21 +312,14 @@ def _frames(dump: StackDump | None) -> list[str]:
 
 
 def stop_processes(pids: list[int], grace_s: float) -> float:
-    """SIGTERM, up to ``grace_s`` for them to exit, then SIGKILL; returns when they are gone (or after 10 s)."""
-    _signal_all(pids, signal.SIGTERM)
+    """SIGTERM to each worker's process group, up to ``grace_s`` for them to exit, then SIGKILL; returns when the
+    workers are gone (or after 10 s). Signalling the groups reaches what the workers started (DataLoader workers)."""
+    kill_process_groups(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(map(process_alive, pids)):
         time.sleep(0.05)
-    _signal_all([pid for pid in pids if process_alive(pid)], signal.SIGKILL)
+    kill_process_groups(pids, signal.SIGKILL)
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline and any(map(process_alive, pids)):
         time.sleep(0.02)
     return time.time()
-
-
-def _signal_all(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass

@@ -72,6 +72,9 @@ from lightning_ett.instrument.ledger import (
 )
 from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch
 from lightning_ett.launch.wandb_service import WandbService
+from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE, EXIT_USAGE
+from lightning_ett.lifecycle.sweeper import Sweeper, kill_process_groups
+from lightning_ett.watch.flight_recorder import remove_dumps
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -144,13 +147,22 @@ def _tail(path: str | None, max_bytes: int = 64 * 1024) -> list[str]:
 class LaunchRecorder:
     """Numbers the attempts of this launch and writes the launcher's ledger for this node."""
 
-    def __init__(self, opts: LaunchOptions, job_start: float, wandb_service: WandbService | None = None) -> None:
+    def __init__(self, opts: LaunchOptions, job_start: float, wandb_service: WandbService | None = None,
+                 token: str | None = None) -> None:
         self.opts = opts
         self.wandb_service = wandb_service
         self.first_attempt = next_attempt(opts.run_dir)
         self.attempt = self.first_attempt - 1
         self.last_failure: str | None = None
-        self.watch = HangWatch(opts.run_dir, opts.hang) if opts.hang.enabled else None
+        self.not_retryable = False  # the last failure will fail the same way on every attempt
+        if opts.hang.enabled:
+            from lightning_ett.launch.worker import MENTIONS_MONITOR, mentions
+
+            self.watch: HangWatch | None = HangWatch(
+                opts.run_dir, opts.hang, num_nodes=opts.num_nodes, token=token,
+                expects_ledgers=mentions(MENTIONS_MONITOR, opts.script, opts.script_args))
+        else:
+            self.watch = None
         self.hang: HangVerdict | None = None  # set by the watch: the failure that follows is this hang
         self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
         self.writer.append({
@@ -178,6 +190,8 @@ class LaunchRecorder:
         """One look at this node's ranks (``global rank -> (pid, stderr log)``); a hang stops them."""
         if self.watch is not None and self.hang is None:
             self.hang = self.watch.poll(workers)
+            while self.watch.cleared:  # suspicions a working rank cleared: in the ledger, not on the console
+                self.writer.append(self.watch.cleared.pop(0))
 
     def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
                        suspects: set[int] | None = None) -> None:
@@ -199,12 +213,16 @@ class LaunchRecorder:
             return
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
         logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
+        self.not_retryable = any(code in (EXIT_NOT_RETRYABLE, EXIT_USAGE) for code in exitcodes.values())
         pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
         candidates = [rank for rank in pool if exitcodes[rank] != -signal.SIGTERM] or pool
+        candidates = [rank for rank in candidates if exitcodes[rank] in (EXIT_NOT_RETRYABLE, EXIT_USAGE)] or candidates
         root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
         for rank in sorted(failures, key=lambda r: (r != root, r)):
             if rank == root:
                 reason = failure_reason(exitcodes[rank], logs[rank])
+                if self.not_retryable:
+                    reason += " (not retried: it fails the same way on every attempt)"
                 self.last_failure = f"rank {rank} {reason}"
             elif exitcodes[rank] == -signal.SIGTERM or (suspects is not None and rank not in suspects):
                 reason = "stopped by the launcher after another rank failed"
@@ -268,11 +286,15 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
                         failures.setdefault(worker_group.workers[local_rank].global_rank,
                                             SimpleNamespace(local_rank=local_rank, exitcode=process.exitcode))
                 recorder.workers_failed(failures, dict(getattr(self._pcontext, "stderrs", {}) or {}), suspects)
+                if recorder.not_retryable:
+                    self._remaining_restarts = 0  # the agent then stops instead of restarting the group
             return result
 
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            pids = list((self._pcontext.pids() if self._pcontext is not None else {}).values())
             _release_finished_workers(self._pcontext)
             super()._shutdown(death_sig, timeout)
+            kill_process_groups(pids)  # what the workers started (DataLoader workers, a publisher) goes with them
 
     return RecordingAgent
 
@@ -382,15 +404,20 @@ def launch(opts: LaunchOptions) -> int:
             os.environ[ENV_HANG_WATCH] = "1"  # ranks announce phase starts and dump stacks on request
         else:
             os.environ.pop(ENV_HANG_WATCH, None)
+        sweeper = Sweeper()  # before anything of the job starts: all of it carries the sweeper's token
         from lightning_ett.launch.worker import MENTIONS_WANDB, mentions
 
-        service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
-        recorder = LaunchRecorder(opts, job_start, service)
         try:
-            return _launch(opts, recorder)
-        except BaseException as err:
-            recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
-            raise
+            service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
+            recorder = LaunchRecorder(opts, job_start, service, token=sweeper.token)
+            try:
+                return _launch(opts, recorder)
+            except BaseException as err:
+                recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
+                raise
+        finally:
+            sweeper.close()
+            remove_dumps(sweeper.token)
     finally:
         owner.release()
 
@@ -408,7 +435,8 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
     from torch.distributed.run import config_from_args, parse_args
 
     config, entrypoint, args = config_from_args(parse_args(torchrun_argv(opts)))
-    args = [*args, *opts.script_args]
+    # Not `python -u SCRIPT`: a fresh worker prepares itself as a forked one does (lightning_ett.launch.fresh_worker).
+    entrypoint, args = sys.executable, ["-u", "-m", "lightning_ett.launch.fresh_worker", opts.script, *opts.script_args]
     if opts.preload:
         from lightning_ett.launch.worker import run_script
 

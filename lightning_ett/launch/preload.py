@@ -5,7 +5,7 @@ preloads: any other error (a native library that does not load) would kill it, a
 every worker start. Here each import fails alone, with a warning.
 
 It is the forkserver's first code of ours, so it also ties the forkserver's life to the
-launcher's (:mod:`lightning_ett.launch.lifeline`): a SIGKILLed launcher leaves no forkserver behind.
+launcher's (:mod:`lightning_ett.lifecycle.lifeline`): a SIGKILLed launcher leaves no forkserver behind.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import importlib
 import os
 import warnings
 
-from lightning_ett.launch.lifeline import hold_on_to_launcher
 from lightning_ett.launch.worker import ENV_PRELOAD, PRELOAD
+from lightning_ett.lifecycle.lifeline import hold_on_to_launcher
 
 hold_on_to_launcher(forks=True)  # before the imports: a launcher may die during them
 for _name in filter(None, os.environ.get(ENV_PRELOAD, ",".join(PRELOAD)).split(",")):

@@ -43,6 +43,8 @@ ENV_PRELOAD = "LIGHTNING_ETT_PRELOAD"
 
 _MENTIONS_COMPILE = re.compile(r"compile", re.IGNORECASE)
 MENTIONS_WANDB = re.compile(r"wandb", re.IGNORECASE)
+#: A job whose script or config names ETTMonitor writes ledgers: the hang watch watches it from its first instant.
+MENTIONS_MONITOR = re.compile(r"ETTMonitor")
 _CONFIG_SUFFIXES = (".py", ".yaml", ".yml", ".json")
 
 
@@ -115,19 +117,57 @@ def stop_forkserver() -> None:
 
 
 def run_script(script: str, script_args_json: str, env_json: str) -> None:
-    """Entry point of each worker (a picklable module-level function, for the forkserver)."""
+    """Entry point of each forked worker (a picklable module-level function, for the forkserver)."""
     # The forkserver's environment is the launcher's at its start; values set per attempt come here.
     os.environ.update(json.loads(env_json))
-    from lightning_ett.launch.lifeline import hold_on_to_launcher
-
-    hold_on_to_launcher(forked_by_server=True)  # a SIGKILLed launcher leaves no worker training on its own
-    if os.environ.get(ENV_HANG_WATCH):  # stacks on request from the first line of the script on
-        from lightning_ett.watch.stacks import register_dump_signal
-
-        register_dump_signal()
+    prepare_worker(forked_by_server=True)
     _apply_thread_count()
     _check_cuda_untouched()
     run_as_main(script, json.loads(script_args_json))
+
+
+def prepare_worker(forked_by_server: bool) -> None:
+    """What every worker of ``lightning run`` does before the first line of the script, forked or fresh.
+
+    It dies with the launcher (a SIGKILLed launcher leaves no worker training on its own), leads a
+    process group of its own (stopping the group stops what it starts: DataLoader workers, a publisher)
+    and, under the hang watch, dumps its stacks and serves its flight recorder on request, so a hang
+    is watched from the first instant, whether the script uses ETTMonitor or not.
+    """
+    from lightning_ett.lifecycle.lifeline import hold_on_to_launcher
+    from lightning_ett.lifecycle.sweeper import lead_process_group
+
+    hold_on_to_launcher(forked_by_server=forked_by_server)
+    lead_process_group()
+    if os.environ.get(ENV_HANG_WATCH):
+        from lightning_ett.watch import flight_recorder
+        from lightning_ett.watch.stacks import register_dump_signal
+
+        register_dump_signal()
+        flight_recorder.serve(int(os.environ.get("RANK", "0")))
+
+
+#: A worker's exit code for an error that fails the same way on every attempt (sysexits' EX_CONFIG): the
+#: launcher ends the job at once instead of retrying it ``--max-restarts`` times.
+EXIT_NOT_RETRYABLE = 78
+#: The exit code of a command-line usage error (argparse, jsonargparse, LightningCLI): not retried either.
+EXIT_USAGE = 2
+
+
+def not_retryable(error: BaseException) -> bool:
+    """Whether ``error`` will fail the same way on every attempt: a configuration the job cannot run with.
+
+    Our arguments' checks (:class:`~lightning_ett.durable.errors.ConfigurationError`), a directory a live
+    job owns, Lightning's ``MisconfigurationException``, a script that does not compile or import.
+    """
+    from lightning_ett.durable.errors import ConfigurationError
+    from lightning_ett.durable.ownership import DirectoryInUseError
+
+    kinds: tuple[type, ...] = (ConfigurationError, DirectoryInUseError, SyntaxError, ImportError)
+    exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
+    if exceptions is not None:
+        kinds += (exceptions.MisconfigurationException,)
+    return isinstance(error, kinds)
 
 
 def run_as_main(script: str, script_args: list[str]) -> None:
@@ -152,12 +192,13 @@ def run_as_main(script: str, script_args: list[str]) -> None:
             raise
         print(stop.code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it
         raise SystemExit(1) from None
-    except BaseException:  # noqa: BLE001 - any uncaught error ends the script, as in `python SCRIPT`
+    except BaseException as error:  # noqa: BLE001 - any uncaught error ends the script, as in `python SCRIPT`
         # Printed here, while stderr still goes to this rank's log (multiprocessing would print
         # it after the redirect ends), through sys.excepthook as the interpreter prints it (torch's
-        # process group installs one that prefixes each line with `[rank<N>]:`); then exit 1.
+        # process group installs one that prefixes each line with `[rank<N>]:`); then exit 1, or
+        # EXIT_NOT_RETRYABLE for an error no restart can mend.
         sys.excepthook(*sys.exc_info())
-        raise SystemExit(1) from None
+        raise SystemExit(EXIT_NOT_RETRYABLE if not_retryable(error) else 1) from None
     finally:
         # The script is over: let exit handlers (W&B's final sync, a checkpoint writer's last
         # word) finish even when the agent, stopping the group after another rank failed, sends

@@ -11,7 +11,8 @@ that would slow training; here they run at a lower priority with one thread and 
 nothing but torch (no Lightning, no CUDA context).
 
 Fault injection for tests: ``LIGHTNING_ETT_FAULT_PUBLISH_CRASH=1`` exits with code 17 on the
-first request; ``LIGHTNING_ETT_FAULT_PUBLISH_DELAY_S`` sleeps that long before each publish.
+first request; ``LIGHTNING_ETT_FAULT_PUBLISH_DELAY_S`` sleeps that long before each publish, and
+``LIGHTNING_ETT_FAULT_PUBLISH_WORK_S`` works (CPU-bound) that long before each publish: a large export.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 ENV_FAULT_CRASH = "LIGHTNING_ETT_FAULT_PUBLISH_CRASH"
 ENV_FAULT_DELAY = "LIGHTNING_ETT_FAULT_PUBLISH_DELAY_S"
+ENV_FAULT_WORK = "LIGHTNING_ETT_FAULT_PUBLISH_WORK_S"
 NICENESS = 10
 
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             request = dataclasses.replace(request, after_version=max(request.after_version, last_version))
             if delay := float(os.environ.get(ENV_FAULT_DELAY, "0") or 0):
                 time.sleep(delay)
+            _work(float(os.environ.get(ENV_FAULT_WORK, "0") or 0))
             manifest = export(request, args.root, args.keep_last_n)
             last_version = max(last_version, int(manifest.get("version", 0) or 0))
             _answer(out, {"ok": True, "step": request.step, **manifest})
@@ -75,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc(file=sys.stderr)
             _answer(out, {"ok": False, "step": getattr(request, "step", None), "error": f"{type(e).__name__}: {e}"})
     return 0
+
+
+def _work(seconds: float) -> None:
+    """CPU-bound work for ``seconds`` (fault injection: a publish as slow as a large model's export)."""
+    deadline, x = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        x = (x * 31 + 7) % 1000003
 
 
 def _die_with_parent(parent_pid: int | None) -> None:

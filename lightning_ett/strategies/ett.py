@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_ett.checkpoint import sharded as ckpt
 from lightning_ett.durable.commit import retire
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.instrument.background import BackgroundTask
 from lightning_ett.instrument.timeline import SPARSE_2D_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -138,11 +139,13 @@ class ETTStrategy(ParallelStrategy):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         validate_2d_arguments(sharding_group_size, replica_sync_every_n_steps, fused_optimizer)
         if sharding_type is not None and sharding_type not in SHARDING_TYPES:
-            raise ValueError(f"ETTStrategy(sharding_type={sharding_type!r}): expected one of {list(SHARDING_TYPES)} or None.")
+            raise ConfigurationError(
+                f"ETTStrategy(sharding_type={sharding_type!r}): expected one of {list(SHARDING_TYPES)} or None.")
         if fused_optimizer not in FUSED_OPTIMIZERS:
-            raise ValueError(f"ETTStrategy(fused_optimizer={fused_optimizer!r}): expected one of {sorted(FUSED_OPTIMIZERS)}.")
+            raise ConfigurationError(
+                f"ETTStrategy(fused_optimizer={fused_optimizer!r}): expected one of {sorted(FUSED_OPTIMIZERS)}.")
         if not isinstance(planner_batch_size, int) or planner_batch_size < 1:
-            raise ValueError(f"ETTStrategy(planner_batch_size={planner_batch_size!r}): expected an int >= 1.")
+            raise ConfigurationError(f"ETTStrategy(planner_batch_size={planner_batch_size!r}): expected an int >= 1.")
         self.sharding_type = sharding_type
         self.constraints = dict(constraints or {})
         self._user_sharders = sharders
@@ -285,9 +288,9 @@ class ETTStrategy(ParallelStrategy):
             local_world_size=node_group_size(planned_ranks, self.num_processes),
         )
         if topology.world_size != planned_ranks:
-            raise ValueError(f"ETTStrategy(topology=Topology(world_size={topology.world_size}, ...)): the planner plans "
-                             f"{planned_ranks} ranks here ({'the sharding group' if self._group_size else 'the world'}); "
-                             f"pass a Topology with world_size={planned_ranks}.")
+            raise ConfigurationError(f"ETTStrategy(topology=Topology(world_size={topology.world_size}, ...)): the planner plans "
+                                     f"{planned_ranks} ranks here ({'the sharding group' if self._group_size else 'the world'}); "
+                                     f"pass a Topology with world_size={planned_ranks}.")
         inputs = plan_inputs(tables, topology, self._sharders, constraints, self.planner_batch_size, self._group_size)
         if self.plan_cache is not None:
             cached = self.plan_cache.load(inputs, tables)

@@ -26,6 +26,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.durable.files import atomic_write_bytes, set_aside
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
@@ -49,16 +50,16 @@ def embedding_tables(module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
 def validate_constraints(constraints: dict[str, ParameterConstraints], tables: dict[str, Any]) -> None:
     unknown = sorted(set(constraints) - set(tables))
     if unknown:
-        raise ValueError(
+        raise ConfigurationError(
             f"ETTStrategy(constraints=...): unknown table(s) {unknown}; the model's tables are {sorted(tables)}."
-        )
+            )
     for name, constraint in constraints.items():
         for sharding_type in constraint.sharding_types or []:
             if sharding_type not in SHARDING_TYPES:
-                raise ValueError(
+                raise ConfigurationError(
                     f"ETTStrategy(constraints={{{name!r}: ...}}): invalid sharding type {sharding_type!r}; "
                     f"expected one of {list(SHARDING_TYPES)}."
-                )
+                    )
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,10 @@ def check_plan_covers(plan: ShardingPlan, tables: dict[str, Any], source: str) -
     planned = planned_tables(plan)
     missing, extra = sorted(set(tables) - planned), sorted(planned - set(tables))
     if missing or extra:
-        raise ValueError(
+        raise ConfigurationError(
             f"The sharding plan from {source} does not match the model: tables missing from the plan {missing}, "
             f"tables in the plan but not in the model {extra}. Delete the plan (or pass one for these tables)."
-        )
+            )
 
 
 def check_plan_ranks(plan: ShardingPlan, num_ranks: int) -> None:
@@ -143,9 +144,9 @@ def check_plan_ranks(plan: ShardingPlan, num_ranks: int) -> None:
     used = {rank for module_plan in plan.plan.values() for sharding in module_plan.values()  # type: ignore[union-attr]
             for rank in (sharding.ranks or [])}
     if used and max(used) >= num_ranks:
-        raise ValueError(f"ETTStrategy(plan=...) places shards on ranks {sorted(used)}, but plans here are for "
-                         f"{num_ranks} ranks (ranks 0..{num_ranks - 1}; with sharding_group_size=K, one sharding group). "
-                         f"Plan for world_size={num_ranks}.")
+        raise ConfigurationError(f"ETTStrategy(plan=...) places shards on ranks {sorted(used)}, but plans here are for "
+                                 f"{num_ranks} ranks (ranks 0..{num_ranks - 1}; with sharding_group_size=K, one sharding group). "
+                                 f"Plan for world_size={num_ranks}.")
 
 
 class PlanCache:
@@ -161,7 +162,8 @@ class PlanCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ValueError(f"ETTStrategy(plan_cache_dir={str(directory)!r}) is not a writable directory: {err}") from err
+            raise ConfigurationError(
+                f"ETTStrategy(plan_cache_dir={str(directory)!r}) is not a writable directory: {err}") from err
 
     def path(self, key: str) -> Path:
         return self.directory / f"plan-{key}.pkl"

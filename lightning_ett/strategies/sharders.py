@@ -12,6 +12,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.strategies.plan_cache import embedding_modules
 
 FUSED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -29,8 +30,8 @@ CPU_FUSED_OPTIMIZERS = ("row_wise_adagrad", "adagrad", "sgd")
 def check_fused_optimizer(name: str, device_type: str) -> None:
     """Fail before start-up, naming the argument, where fbgemm would assert deep inside DMP's sharding."""
     if device_type == "cpu" and name not in CPU_FUSED_OPTIMIZERS:
-        raise ValueError(f"ETTStrategy(fused_optimizer={name!r}) is not supported on CPU: fbgemm's CPU embedding kernels "
-                         f"implement {', '.join(CPU_FUSED_OPTIMIZERS)} only ({name} needs CUDA). Pass one of those.")
+        raise ConfigurationError(f"ETTStrategy(fused_optimizer={name!r}) is not supported on CPU: fbgemm's CPU embedding kernels "
+                                 f"implement {', '.join(CPU_FUSED_OPTIMIZERS)} only ({name} needs CUDA). Pass one of those.")
 
 
 class CPURowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):

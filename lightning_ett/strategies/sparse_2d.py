@@ -32,6 +32,8 @@ from torchrec.distributed.model_parallel import DistributedModelParallel, DMPCol
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import EnumerableShardingSpec, ModuleSharder, ShardingEnv2D, ShardingPlan, ShardingType
 
+from lightning_ett.durable.errors import ConfigurationError
+
 #: Sharding types TorchRec's 2D parallelism handles (its own 2D tests cover TW, CW, RW, TWRW and
 #: grid); data-parallel tables are replicated on all N ranks and kept equal by DDP, as in 1D.
 #: ``table_column_wise`` has no 2D handling in TorchRec (its DTensor metadata cannot be built).
@@ -48,15 +50,16 @@ FUSED_OPTIMIZERS_2D = ("row_wise_adagrad", "adagrad", "sgd")
 def validate_2d_arguments(size: int | None, sync_every: int, fused_optimizer: str) -> None:
     """ETTStrategy's constructor checks of its 2D arguments (the world size is not known yet)."""
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise ValueError(f"ETTStrategy(sharding_group_size={size!r}): expected an int >= 1 (ranks per sharding group, a "
-                         "divisor of the world size), or None for 1D sharding.")
+        raise ConfigurationError(f"ETTStrategy(sharding_group_size={size!r}): expected an int >= 1 (ranks per sharding group, a "
+                                 "divisor of the world size), or None for 1D sharding.")
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-        raise ValueError(f"ETTStrategy(replica_sync_every_n_steps={sync_every!r}): expected an int >= 1 (optimizer steps "
-                         "between replica syncs).")
+        raise ConfigurationError(f"ETTStrategy(replica_sync_every_n_steps={sync_every!r}): expected an int >= 1 (optimizer steps "
+                                 "between replica syncs).")
     if size is not None and fused_optimizer not in FUSED_OPTIMIZERS_2D:
-        raise ValueError(f"ETTStrategy(fused_optimizer={fused_optimizer!r}, sharding_group_size={size}): the 2D replica "
-                         "sync averages weights and AdaGrad state only (as TorchRec's DMPCollection does), so "
-                         f"{fused_optimizer}'s state would drift between replicas. Use one of {list(FUSED_OPTIMIZERS_2D)}.")
+        raise ConfigurationError(
+            f"ETTStrategy(fused_optimizer={fused_optimizer!r}, sharding_group_size={size}): the 2D replica "
+            "sync averages weights and AdaGrad state only (as TorchRec's DMPCollection does), so "
+            f"{fused_optimizer}'s state would drift between replicas. Use one of {list(FUSED_OPTIMIZERS_2D)}.")
 
 
 def validate_group_size(size: int | None, world_size: int) -> int | None:
@@ -64,12 +67,13 @@ def validate_group_size(size: int | None, world_size: int) -> int | None:
     if size is None:
         return None
     if size > world_size:
-        raise ValueError(f"ETTStrategy(sharding_group_size={size}) is larger than the job's {world_size} ranks: a sharding "
-                         f"group cannot span more ranks than there are. Pass a divisor of {world_size}, or None for 1D.")
+        raise ConfigurationError(
+            f"ETTStrategy(sharding_group_size={size}) is larger than the job's {world_size} ranks: a sharding "
+            f"group cannot span more ranks than there are. Pass a divisor of {world_size}, or None for 1D.")
     if world_size % size:
         divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
-        raise ValueError(f"ETTStrategy(sharding_group_size={size}) does not divide the job's {world_size} ranks: every "
-                         f"replica must be a whole sharding group. Pass one of {divisors}.")
+        raise ConfigurationError(f"ETTStrategy(sharding_group_size={size}) does not divide the job's {world_size} ranks: every "
+                                 f"replica must be a whole sharding group. Pass one of {divisors}.")
     if size == world_size:
         warnings.warn(f"ETTStrategy(sharding_group_size={size}) equals the number of ranks: one sharding group, no "
                       "replicas. This is 1D sharding; running it as such.", stacklevel=3)
@@ -84,9 +88,10 @@ def validate_sharding_types(sharding_type: str | None, constraints: dict[str, Pa
     for argument, types in wanted.items():
         bad = [t for t in types if t not in SHARDING_TYPES_2D]
         if bad:
-            raise ValueError(f"ETTStrategy({argument}={bad}, sharding_group_size={size}): TorchRec's 2D sparse parallelism "
-                             f"does not support {', '.join(bad)}. Use one of {list(SHARDING_TYPES_2D)}, or "
-                             "sharding_group_size=None (1D).")
+            raise ConfigurationError(
+                f"ETTStrategy({argument}={bad}, sharding_group_size={size}): TorchRec's 2D sparse parallelism "
+                f"does not support {', '.join(bad)}. Use one of {list(SHARDING_TYPES_2D)}, or "
+                "sharding_group_size=None (1D).")
 
 
 def constraints_2d(constraints: dict[str, ParameterConstraints], tables: dict[str, Any]) -> dict[str, ParameterConstraints]:
@@ -216,8 +221,8 @@ def shard_2d(module: nn.Module, plan: ShardingPlan, groups: ShardingGroups, devi
             sharders=sharders, init_data_parallel=True, init_parameters=True,
         )
     if device.type != "cpu":
-        raise ValueError(f"ETTStrategy(sharding_group_size=...) runs on CUDA (TorchRec's DMPCollection) or CPU, not on "
-                         f"{device.type!r}.")
+        raise ConfigurationError(f"ETTStrategy(sharding_group_size=...) runs on CUDA (TorchRec's DMPCollection) or CPU, not on "
+                                 f"{device.type!r}.")
     env = ShardingEnv2D(sharding_pg=groups.sharding_pg, replica_pg=groups.replica_pg, global_pg=dist.group.WORLD,
                         device_mesh=groups.mesh, node_group_size=groups.node_group_size)
     return DistributedModelParallel(module, env=env, device=device, plan=remap_plan(plan, groups), sharders=sharders,

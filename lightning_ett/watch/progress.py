@@ -9,22 +9,14 @@ training path no collective and no heartbeat thread.
 from __future__ import annotations
 
 import json
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_ett.instrument.timeline import Phase
 
-#: Watch phases beyond the ETT phases: a rank that has not trained yet in this attempt, and one past its end.
-STARTUP = "startup"
 TRAIN = Phase.TRAIN.value
 SHUTDOWN = Phase.SHUTDOWN.value
-#: Phases with a timeout of their own while a rank is inside them (see :class:`~lightning_ett.watch.hang.HangTimeouts`).
-TIMED_PHASES = (Phase.COMPILE.value, Phase.CHECKPOINT_LOAD.value, Phase.CHECKPOINT_SAVE.value, Phase.EVAL.value,
-                Phase.DATA_INIT.value)
-
 
 class LedgerTail:
     """Reads the records appended to one ledger file since the last read (a torn last line waits for its end)."""
@@ -61,27 +53,23 @@ class RankProgress:
 
     rank: int
     last_progress: float  # the attempt's start until the rank writes its first record
+    attempt_start: float = 0.0
     seen: bool = False  # it wrote a record: its job has an ETTMonitor to tell the watch what it does
     pid: int | None = None
     host: str | None = None
+    device: str | None = None  # "cuda", "cpu", ...: what its host-side CPU time means (see the hang watch)
     step: int | None = None  # the latest training step it began or finished
     #: How far it got, comparable across ranks: (step, 0 began / 1 finished, phases begun since). Ranks
     #: run the same hooks in the same order, so one that began fewer phases since the same step is behind.
     position: tuple[int, int, int] = (-1, 0, 0)
-    trained_steps: int = 0
-    done: bool = False  # it said how its attempt ended: shutting down
-    recent_steps: deque[float] = field(default_factory=lambda: deque(maxlen=200))
+    trained_steps: int = 0  # in this attempt
+    done: bool = False  # it said how its attempt ended (``fit`` is over): what follows is shutdown or post-fit work
     _open: list[str] = field(default_factory=list)  # phases begun and not yet ended, innermost last
 
     @property
-    def phase(self) -> str:
-        """The phase whose timeout applies now."""
-        if self.done:
-            return SHUTDOWN
-        for name in reversed(self._open):
-            if name in TIMED_PHASES:
-                return name
-        return TRAIN if self.trained_steps else STARTUP
+    def open_phase(self) -> str | None:
+        """The innermost phase it announced and has not ended (a training step is not one: it is the default)."""
+        return self._open[-1] if self._open else None
 
     @property
     def current_step(self) -> int | None:
@@ -89,27 +77,27 @@ class RankProgress:
         step, finished, _ = self.position
         return None if step < 0 else step + finished
 
-    def median_step_s(self) -> float | None:
-        return statistics.median(self.recent_steps) if self.recent_steps else None
+    def update(self, record: dict[str, Any]) -> tuple[str, float, int] | None:
+        """Apply one ledger record; for a finished phase, returns ``(phase, seconds, training steps before it)``.
 
-    def slowest_step_s(self, skip: int) -> float | None:
-        """The slowest of the recent steps, leaving out the rank's first ``skip`` steps (warm-up)."""
-        recent = list(self.recent_steps)[max(skip - (self.trained_steps - len(self.recent_steps)), 0):]
-        return max(recent) if recent else None
-
-    def update(self, record: dict[str, Any]) -> None:
+        A phase that ended inside another of the same name (a checkpoint load inside Lightning's restore)
+        returns ``None``: the outer one is the occurrence.
+        """
         self.seen = True
         kind = record.get("kind")
         if kind == "header":
             self.pid, self.host = record.get("pid", self.pid), record.get("host", self.host)
+            self.device = record.get("device", self.device)
         elif kind == "begin":
             self._begin(str(record.get("phase")), record.get("step"), float(record.get("time", 0.0)))
         elif kind == "event":
-            self._end(str(record.get("phase")), record.get("step"), float(record.get("start", 0.0)),
-                      float(record.get("end", 0.0)))
+            return self._end(str(record.get("phase")), record.get("step"), float(record.get("start", 0.0)),
+                             float(record.get("end", 0.0)))
         elif kind == "status":
             self.done = True
+            self._open.clear()  # an attempt that said how it ended has left every phase it was in
             self.last_progress = max(self.last_progress, float(record.get("time", self.last_progress)))
+        return None
 
     def _begin(self, phase: str, step: Any, at: float) -> None:
         if phase == TRAIN:
@@ -122,14 +110,16 @@ class RankProgress:
             self.position = (*self.position[:2], self.position[2] + 1)
         self.last_progress = max(self.last_progress, at)
 
-    def _end(self, phase: str, step: Any, start: float, end: float) -> None:
+    def _end(self, phase: str, step: Any, start: float, end: float) -> tuple[str, float, int] | None:
         if phase in self._open:
             del self._open[len(self._open) - 1 - self._open[::-1].index(phase)]
+        nested = phase in self._open
+        steps_before = self.trained_steps
         if phase == TRAIN:
             self.trained_steps += 1
-            self.recent_steps.append(end - start)
             if isinstance(step, int):
                 self.step, self.position = step, (step, 1, 0)
         elif phase == SHUTDOWN:
             self.done = True
         self.last_progress = max(self.last_progress, end)
+        return None if nested else (phase, end - start, steps_before)

@@ -24,9 +24,16 @@ from pathlib import Path
 DUMP_SIGNAL = signal.SIGUSR2
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)(?: \[[^\]]*\])? \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
-#: Frames of code that waits for other ranks (the Python side of every collective we know of).
-_COLLECTIVE = re.compile(r"torch/distributed/(distributed_c10d|_functional_collectives|algorithms/)"
-                         r"|torchrec/distributed/(comm_ops|dist_data|types)\.py|torch/nn/parallel/distributed\.py")
+#: Frames of code that waits for other ranks: the Python side of every collective we know of, and the
+#: process-group helpers DDP calls at its start (``torch/distributed/utils.py``: parameter checks and
+#: broadcasts). Not DDP's own wrapper (``torch/nn/parallel/distributed.py``): a model's forward runs inside
+#: it, so a rank stuck in its own ``training_step`` would count as waiting for its peers.
+_COLLECTIVE = re.compile(r"torch/distributed/(distributed_c10d|_functional_collectives|algorithms/|utils\.py)"
+                         r"|torchrec/distributed/(comm_ops|dist_data|types)\.py")
+#: Backward: DDP's gradient all-reduce and TorchRec's all-to-all backward run inside autograd's engine, in C++,
+#: so a rank waiting for them shows only this frame. Not proof of waiting (backward also computes); with no CPU
+#: time used, it is.
+_BACKWARD = re.compile(r"torch/autograd/(graph|__init__)\.py")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -55,6 +62,10 @@ class StackDump:
     @property
     def in_collective(self) -> bool:
         return any(_COLLECTIVE.search(f.file.replace(os.sep, "/")) for f in self.main)
+
+    @property
+    def in_backward(self) -> bool:
+        return any(_BACKWARD.search(f.file.replace(os.sep, "/")) for f in self.main)
 
     def top(self, n: int = 5) -> list[str]:
         return [str(f) for f in self.main[:n]]
@@ -108,7 +119,8 @@ def request_dumps(pids: dict[int, int], log_paths: dict[int, str | None], timeou
 
 
 def py_spy_dumps(pids: dict[int, int], out_paths: dict[int, Path], timeout_s: float = 10.0) -> dict[int, Path]:
-    """Native and Python frames of every rank from ``py-spy dump --native``, one file per rank, when py-spy is installed.
+    """Native and Python frames of every rank and its children from ``py-spy dump --native --subprocesses``, one file per
+    rank, when py-spy is installed.
 
     py-spy needs ptrace permission over the workers (containers often withhold it): its error is
     written into the file instead, and the watch goes on without it.
@@ -121,7 +133,8 @@ def py_spy_dumps(pids: dict[int, int], out_paths: dict[int, Path], timeout_s: fl
         path = out_paths[rank]
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "wb")  # noqa: SIM115 - closed below, after the process ends
-        running[rank] = (subprocess.Popen([exe, "dump", "--native", "--pid", str(pid)], stdout=f,
+        # --subprocesses: a rank waiting on its DataLoader shows where its loader workers are stuck too.
+        running[rank] = (subprocess.Popen([exe, "dump", "--native", "--subprocesses", "--pid", str(pid)], stdout=f,
                                           stderr=subprocess.STDOUT), f, path)
     deadline = time.monotonic() + timeout_s
     written = {}

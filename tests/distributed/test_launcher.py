@@ -16,7 +16,7 @@ from conftest import LIGHTNING, REPO, SCRIPTS, clean_env, lightning_run, rank_fa
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint import layout as checkpoint_layout
-from lightning_ett.durable.ownership import process_alive
+from lightning_ett.durable.procfs import process_alive
 from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
 

@@ -21,10 +21,9 @@ from lightning_ett.durable.ownership import (
     Owner,
     OwnerLock,
     StaleOwnerWarning,
-    process_alive,
-    process_start_ticks,
     read_owner,
 )
+from lightning_ett.durable.procfs import process_alive, process_start_ticks
 
 LOCK = ".ett-owner"
 

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from lightning_ett.durable.ownership import process_alive, process_start_ticks
+from lightning_ett.durable.procfs import process_alive, process_start_ticks
 from lightning_ett.instrument.environment import ENV_LAUNCHER_PID
 
 #: Seconds between the watchdog's looks at the launcher.

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import clean_env
 
-from lightning_ett.durable.ownership import process_alive
-from lightning_ett.launch import lifeline
+from lightning_ett.durable.procfs import process_alive
+from lightning_ett.lifecycle import lifeline
 
 # A stand-in for the launcher: exports its pid and starts a child (direct) or a child that starts
 # the armed grandchild (the watchdog's case: its parent is not the launcher).
@@ -31,7 +31,7 @@ out, depth = sys.argv[1], int(sys.argv[2])
 if depth > 0:  # a middle process that does not hold on: only its child does
     subprocess.Popen([sys.executable, "-c", sys.argv[3], out, str(depth - 1), sys.argv[3]])
 else:
-    from lightning_ett.launch.lifeline import hold_on_to_launcher
+    from lightning_ett.lifecycle.lifeline import hold_on_to_launcher
     forks = "forks" in out
     armed = hold_on_to_launcher(forks=forks)
     again = hold_on_to_launcher(forks=forks)

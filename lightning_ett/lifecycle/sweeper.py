@@ -1,0 +1,117 @@
+"""Nothing a job started outlives it: process groups stopped whole, and a sweeper for when the launcher dies.
+
+Why: the lifeline (:mod:`lightning_ett.lifecycle.lifeline`) makes the forkserver and the workers
+die with ``lightning run``'s launcher, through the kernel's parent-death signal. That signal reaches
+only the processes that asked for it. What a worker starts — DataLoader workers (``num_workers > 0``,
+persistent or not), ModelPublisher's process, a user's subprocess, their children — outlived it:
+a DataLoader worker stuck in ``__getitem__``, often the hang itself, never reaches the check that
+would end it, and kept the host's memory and the job's files.
+
+Two mechanisms, for two moments:
+
+* **Between attempts** every worker leads its own process group (forked workers call
+  :func:`lead_process_group`; torch starts ``--no-preload`` workers in a session of their own), so
+  everything it started is in that group unless it left it. :func:`kill_process_groups` stops the
+  groups, not just the pids: the agent does it after every stop of the worker group, the hang watch
+  when it stops a hung one.
+* **When the launcher dies**, even by SIGKILL, the sweeper — a small process the launcher starts, in a
+  session of its own, holding the read end of a pipe whose only writer is the launcher — reads
+  end-of-file and SIGKILLs every process whose environment carries this launch's token
+  (:data:`~lightning_ett.instrument.environment.ENV_LAUNCH_TOKEN`). Every process the job starts
+  inherits that variable, however it is started. A process meant to outlive the job must drop it from its
+  environment. At a normal end the launcher closes the pipe itself, so leftovers are swept then too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from lightning_ett.durable.procfs import processes_with_env
+from lightning_ett.instrument.environment import ENV_LAUNCH_TOKEN
+
+#: How long a sweep goes on finding new processes (a forkserver may fork while it is being swept).
+SWEEP_S = 5.0
+
+
+def lead_process_group() -> None:
+    """Make this process the leader of a new process group (a no-op where it already leads one or cannot)."""
+    try:
+        if os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)
+    except OSError:
+        pass  # a session leader cannot change its group; it already leads one
+
+
+def kill_process_groups(pids: list[int], sig: signal.Signals = signal.SIGKILL) -> None:
+    """Signal the process group each of ``pids`` leads (its descendants in it too), and each pid itself."""
+    for pid in pids:
+        for send in (os.killpg, os.kill):
+            try:
+                send(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # gone, or not a group leader (killpg) / not ours
+
+
+class Sweeper:
+    """The launcher's handle on its sweeper process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        os.environ[ENV_LAUNCH_TOKEN] = self.token  # set before anything of the job starts: all of it inherits it
+        # Only this process may hold the write end: not inherited across exec (non-inheritable), and closed in any
+        # child forked from here (a fork copies every descriptor).
+        read_end, self._write_end = os.pipe()
+        os.register_at_fork(after_in_child=self._close_write_end)
+        self._process = subprocess.Popen([sys.executable, "-m", "lightning_ett.lifecycle.sweeper", self.token],
+                                         stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
+        os.close(read_end)
+
+    def _close_write_end(self) -> None:
+        if self._write_end >= 0:
+            os.close(self._write_end)
+            self._write_end = -1
+
+    def close(self, timeout_s: float = SWEEP_S + 2.0) -> None:
+        """The job is over: the sweeper sweeps what is left, then exits (waited for up to ``timeout_s``)."""
+        self._close_write_end()
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def sweep(token: str, within_s: float = SWEEP_S) -> int:
+    """SIGKILL every process whose environment has this launch's token, until none is left; returns how many."""
+    killed: set[int] = set()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        found = [pid for pid in processes_with_env(ENV_LAUNCH_TOKEN, token)]
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not found:
+            break
+        time.sleep(0.05)
+    return len(killed)
+
+
+def main(argv: list[str]) -> None:
+    """The sweeper process: wait for the launcher's end (end-of-file on stdin), then sweep."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # Ctrl-C or a scheduler's SIGTERM to the job must not stop the sweep
+    while os.read(0, 4096):
+        pass  # the launcher never writes: only its end returns here
+    sweep(argv[0])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
