@@ -294,10 +294,13 @@ def test_a_live_jobs_run_dir_and_checkpoint_dir_are_refused_to_others_until_it_i
         assert "hello" not in second.stdout
         assert [r["kind"] for r in read_launcher_records(run)].count("launch") == 1  # it recorded nothing
 
-        # Another job writing the same checkpoint directory: fails on every rank before its first step.
+        # Another job writing the same checkpoint directory: fails on every rank before its first step, and is not
+        # restarted (a directory a live job owns fails the same way on every attempt).
         job = [JOB, "--out", str(out), "--async-every", "2", "--ckpt-dir", str(ckpt), "--ett-from-env"]
-        third = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(other), *job, "--max-steps", "4")
+        third = lightning_run("--devices", "2", "--max-restarts", "2", "--run-dir", str(other), *job, "--max-steps", "4")
         assert third.returncode == 1
+        assert [r["attempt"] for r in read_launcher_records(other) if r["kind"] == "attempt"] == [0]
+        assert "not retried" in third.stderr
         ledgers = read_ledger(other)
         assert sorted(lg.rank for lg in ledgers) == [0, 1]
         for lg in ledgers:
