@@ -44,6 +44,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -937,6 +938,7 @@ def section_compile_cache(run: Run, sec: Section) -> None:
 
 def section_hang(run: Run, sec: Section) -> None:
     from lightning_ett.durable.procfs import sample_tree
+    from lightning_ett.instrument.environment import launch_scratch_dir
     from lightning_ett.watch import flight_recorder
     from lightning_ett.watch.activity import activity_between
     from lightning_ett.watch.flight_recorder import behind
@@ -980,7 +982,7 @@ def section_hang(run: Run, sec: Section) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            flight_recorder.remove_dumps(token)
+            shutil.rmtree(launch_scratch_dir(token), ignore_errors=True)
         cpu = figures["rank0_cpu_while_waiting"]
         sec.row(f"{tag}: rank 0 CPU while it waits", "n/a" if cpu is None else f"{cpu:.0%} of a core")
         sec.row(f"{tag}: flight recorder (enqueued, completed)", json.dumps(figures["status"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ ENV_LAUNCHER_PID = "LIGHTNING_ETT_LAUNCHER_PID"
 #: Set by ``lightning run``: a token unique to the launch. Every process the job starts inherits it, so the
 #: launcher's sweeper finds them all when the launcher dies (:mod:`lightning_ett.lifecycle.sweeper`).
 ENV_LAUNCH_TOKEN = "LIGHTNING_ETT_LAUNCH_TOKEN"
+
+
+def launch_scratch_dir(token: str) -> Path:
+    """A launch's scratch directory on this host (the hang watch's named pipes and dumps); removed at its end."""
+    return Path(tempfile.gettempdir()) / f"lightning-ett-{token}"
 JOB_FILE = "job.json"
 
 DEFAULT_RUNS_ROOT = "ett_runs"

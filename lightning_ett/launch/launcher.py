@@ -74,7 +74,6 @@ from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWat
 from lightning_ett.launch.wandb_service import WandbService
 from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE, EXIT_USAGE
 from lightning_ett.lifecycle.sweeper import Sweeper, kill_process_groups
-from lightning_ett.watch.flight_recorder import remove_dumps
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -417,7 +416,6 @@ def launch(opts: LaunchOptions) -> int:
                 raise
         finally:
             sweeper.close()
-            remove_dumps(sweeper.token)
     finally:
         owner.release()
 

@@ -19,12 +19,14 @@ Two mechanisms, for two moments:
   end-of-file and SIGKILLs every process whose environment carries this launch's token
   (:data:`~lightning_ett.instrument.environment.ENV_LAUNCH_TOKEN`). Every process the job starts
   inherits that variable, however it is started. A process meant to outlive the job must drop it from its
-  environment. At a normal end the launcher closes the pipe itself, so leftovers are swept then too.
+  environment. At a normal end the launcher closes the pipe itself, so leftovers are swept then too; the
+  launch's scratch directory (the hang watch's named pipes) goes last.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +34,7 @@ import time
 import uuid
 
 from lightning_ett.durable.procfs import processes_with_env
-from lightning_ett.instrument.environment import ENV_LAUNCH_TOKEN
+from lightning_ett.instrument.environment import ENV_LAUNCH_TOKEN, launch_scratch_dir
 
 #: How long a sweep goes on finding new processes (a forkserver may fork while it is being swept).
 SWEEP_S = 5.0
@@ -77,7 +79,8 @@ class Sweeper:
             self._write_end = -1
 
     def close(self, timeout_s: float = SWEEP_S + 2.0) -> None:
-        """The job is over: the sweeper sweeps what is left, then exits (waited for up to ``timeout_s``)."""
+        """The job is over: the sweeper sweeps what is left and the launch's scratch directory, then exits (waited for
+        up to ``timeout_s``)."""
         self._close_write_end()
         try:
             self._process.wait(timeout_s)
@@ -111,6 +114,7 @@ def main(argv: list[str]) -> None:
     while os.read(0, 4096):
         pass  # the launcher never writes: only its end returns here
     sweep(argv[0])
+    shutil.rmtree(launch_scratch_dir(argv[0]), ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import contextlib
 import os
 import pickle
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -32,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ett.durable.files import atomic_write_bytes
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_LAUNCH_TOKEN
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_LAUNCH_TOKEN, launch_scratch_dir
 
 
 def dump_dir(token: str, attempt: int) -> Path:
     """Where one attempt's ranks serve their dumps: local to the host (named pipes do not cross a network filesystem)."""
-    return Path(tempfile.gettempdir()) / f"lightning-ett-{token}" / f"attempt-{attempt:04d}"
+    return launch_scratch_dir(token) / f"attempt-{attempt:04d}"
 
 
 def _fifo(token: str, attempt: int, rank: int) -> Path:
@@ -203,8 +202,3 @@ def _list(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def remove_dumps(token: str) -> None:
-    """Remove a launch's dump directory (the job is over)."""
-    import shutil
-
-    shutil.rmtree(Path(tempfile.gettempdir()) / f"lightning-ett-{token}", ignore_errors=True)

@@ -37,8 +37,11 @@ time.sleep(600)
 """
 LAUNCHER = """
 import os, subprocess, sys, time
+from lightning_ett.instrument.environment import launch_scratch_dir
 from lightning_ett.lifecycle.sweeper import Sweeper
 sweeper = Sweeper()
+launch_scratch_dir(sweeper.token).mkdir()
+open(os.path.join(sys.argv[1], "scratch"), "w").write(str(launch_scratch_dir(sweeper.token)))
 subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]])
 open(os.path.join(sys.argv[1], "launcher"), "w").write(str(os.getpid()))
 time.sleep(600)
@@ -61,6 +64,11 @@ def test_a_sigkilled_launcher_leaves_nothing_its_job_started(tmp_path: Path):
         while any(process_alive(p) for p in pids.values()) and time.time() < deadline:
             time.sleep(0.05)
         assert not [n for n, p in pids.items() if process_alive(p)], "alive 10 s after the launcher's SIGKILL"
+        scratch = Path((tmp_path / "scratch").read_text())
+        deadline = time.time() + 5
+        while scratch.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not scratch.exists()  # the launch's named pipes go with it
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from conftest import clean_env
 
+from lightning_ett.instrument.environment import launch_scratch_dir
 from lightning_ett.watch import flight_recorder
 from lightning_ett.watch.flight_recorder import Collectives, GroupStatus, behind
 
@@ -73,7 +75,7 @@ def test_a_rank_that_never_enqueued_the_collective_its_peer_waits_for_is_named(t
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pair.pid, signal.SIGKILL)
         pair.wait()
-        flight_recorder.remove_dumps(token)
+        shutil.rmtree(launch_scratch_dir(token), ignore_errors=True)
     assert not flight_recorder.dump_dir(token, 3).exists()
 
 
