@@ -967,9 +967,8 @@ def section_hang(run: Run, sec: Section) -> None:
             second = flight_recorder.request(token, 0, list(pids))
             after, seconds = {r: sample_tree(pid) for r, pid in pids.items()}, time.monotonic() - t0
             activity = {r: activity_between(before[r], after[r], seconds) for r in pids if before[r] and after[r]}
-            devices = {r: ("cuda" if backend == "nccl" else "cpu") for r in pids}
             moved = working({r: Evidence(0.0, first[r]) for r in pids}, {r: Evidence(0.0, second[r]) for r in pids},
-                            activity, devices)
+                            activity)
             named = behind({r: c for r, c in second.items() if c is not None}) if ranks > 1 else None
             figures = {"rank0_cpu_while_waiting": activity[0].cpu if 0 in activity else None,
                        "status": {r: ({k: [g.enqueued, g.completed] for k, g in c.groups.items()} if c else None)

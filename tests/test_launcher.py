@@ -200,3 +200,28 @@ def test_the_forkserver_preloads_inductor_only_for_a_job_that_compiles(tmp_path)
     logged = tmp_path / "train_logged.py"
     logged.write_text("from lightning.pytorch.loggers import WandbLogger\n")
     assert "wandb" not in modules_to_preload(str(logged))  # its import makes a media dir the first exit deletes
+
+
+def test_which_errors_are_not_retried(isolated_job):
+    import argparse
+
+    from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError
+    from lightning_ett.durable.ownership import DirectoryInUseError
+    from lightning_ett.launch.worker import _usage_error, not_retryable
+
+    assert not_retryable(ConfigurationError("AsyncCheckpoint(every_n_train_steps=0): ..."))
+    assert not_retryable(ConfigurationTypeError("ETTMonitor(run_dir=3): ...")) and issubclass(ConfigurationTypeError, TypeError)
+    assert not_retryable(DirectoryInUseError("in use")) and not_retryable(SyntaxError("bad"))
+    assert not not_retryable(ValueError("a data bug")) and not not_retryable(RuntimeError("NCCL error"))
+    assert not_retryable(ModuleNotFoundError("No module named 'x'"))  # before training: a missing package
+    isolated_job.record("train", 1.0, 2.0)
+    assert not not_retryable(ImportError("file too short"))  # mid-training: a race a retry mends
+
+    try:
+        argparse.ArgumentParser().parse_args(["--nope"])
+    except SystemExit as stop:
+        assert _usage_error(stop)
+    try:
+        raise SystemExit(2)  # a script's own exit code 2 is not a usage error
+    except SystemExit as stop:
+        assert not _usage_error(stop)

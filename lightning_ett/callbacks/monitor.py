@@ -198,8 +198,10 @@ class ETTMonitor(Callback):
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
         connector = trainer._checkpoint_connector
-        if hasattr(connector, "_restore_modules_and_callbacks") and hasattr(connector, "_loaded_checkpoint"):
-            self._patches.setattr(connector, "_restore_modules_and_callbacks", _timed_restore(connector))
+        if all(hasattr(connector, a) for a in ("_restore_modules_and_callbacks", "restore_training_state",
+                                               "_loaded_checkpoint")):
+            for name in ("_restore_modules_and_callbacks", "restore_training_state"):  # the second: optimizers, loops
+                self._patches.setattr(connector, name, _timed_restore(connector, name))
         self._stragglers.setup(trainer, pl_module, self._patches)
 
     def _wrap(self, owner: Any, name: str, phase: Phase) -> None:
@@ -388,27 +390,31 @@ class ETTMonitor(Callback):
             )
 
 
-def _timed_restore(connector: Any) -> Any:
-    """Lightning's restore from a checkpoint as ``checkpoint_load``: the load, then the model's, data module's and
-    callbacks' state, their ``on_load_checkpoint`` hooks included. A restore with no checkpoint records nothing.
+def _timed_restore(connector: Any, name: str) -> Any:
+    """Lightning's restore from a checkpoint as ``checkpoint_load``: ``_restore_modules_and_callbacks`` (the load,
+    then the model's, data module's and callbacks' state, their ``on_load_checkpoint`` hooks included) and
+    ``restore_training_state`` (optimizers, loops). A restore with no checkpoint records nothing.
 
     Whether there is one is known only after the load (AsyncCheckpoint picks it inside ``resume_start``), so the
-    phase is announced when the model's state is restored, and recorded from the restore's start to its end.
+    first is announced when the model's state is restored, and each is recorded from its start to its end.
     """
-    restore = connector._restore_modules_and_callbacks
+    restore = getattr(connector, name)
 
     @functools.wraps(restore)
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.time()
-        restore_model = connector.restore_model
-
-        def announced_restore_model() -> Any:
-            if connector._loaded_checkpoint:
-                get_timeline().begin(Phase.CHECKPOINT_LOAD)
-            return restore_model()
-
         patches = Patches()
-        patches.setattr(connector, "restore_model", announced_restore_model)
+        if connector._loaded_checkpoint:
+            get_timeline().begin(Phase.CHECKPOINT_LOAD)
+        else:
+            restore_model = connector.restore_model
+
+            def announced_restore_model() -> Any:
+                if connector._loaded_checkpoint:
+                    get_timeline().begin(Phase.CHECKPOINT_LOAD)
+                return restore_model()
+
+            patches.setattr(connector, "restore_model", announced_restore_model)
         try:
             return restore(*args, **kwargs)
         finally:

@@ -21,7 +21,8 @@ decisions are :mod:`lightning_ett.watch.hang`'s:
 
 With several nodes, each node watches its own ranks. A node whose ranks all wait inside collectives,
 none of them behind, holds none of the cause: it waits for the node that does (whose watch names
-the rank) until the phase's unlearned default has passed.
+the rank) as long as the longest unlearned default of any phase (30 min), the process group's own
+timeout in Lightning.
 """
 
 from __future__ import annotations
@@ -157,9 +158,12 @@ class HangWatch:
 
         def learn() -> None:
             ledgers = [lg for lg in read_ledger(self.run_dir) if lg.attempt < before]
-            explained = [float(r["time"]) - float(r.get("silent_s", 0.0)) for r in read_launcher_records(self.run_dir)
-                         if r.get("kind") == "suspicion"]
+            launcher = read_launcher_records(self.run_dir)
+            explained = [float(r["time"]) - float(r.get("silent_s", 0.0)) for r in launcher if r.get("kind") == "suspicion"]
             self.history.observe_ledgers(ledgers, explained)
+            for record in launcher:  # a phase the watch stopped the job in keeps its default (PhaseHistory.escalate)
+                if isinstance(record.get("hang"), dict) and record["hang"].get("limit_phase"):
+                    self.history.escalate(str(record["hang"]["limit_phase"]))
 
         threading.Thread(target=learn, name="ett-hang-history", daemon=True).start()
 
@@ -188,10 +192,11 @@ class HangWatch:
         stall = find_stall(watched, self.history, now)
         if stall is None or now < self._backoff_until or not watched:
             return None
-        if (busy := self._busy_without_recorder(watched, now)) is not None:
+        busy_counts = stall.silent_s <= self.options.timeouts.busy_ceiling(stall.phase)
+        if busy_counts and (busy := self._busy_without_recorder(watched, now)) is not None:
             self._clear(stall, *busy)
             return None
-        return self._confirm(stall, watched, workers)
+        return self._confirm(stall, watched, workers, busy_counts)
 
     def _read_tails(self, workers: dict[int, tuple[int, str | None]]) -> None:
         for rank in workers:
@@ -244,16 +249,15 @@ class HangWatch:
             return dict.fromkeys(ranks)
         return flight_recorder.request(self.token, self._attempt, ranks)
 
-    def _confirm(self, stall: Stall, ranks: dict[int, RankProgress],
-                 workers: dict[int, tuple[int, str | None]]) -> HangVerdict | None:
+    def _confirm(self, stall: Stall, ranks: dict[int, RankProgress], workers: dict[int, tuple[int, str | None]],
+                 busy_counts: bool) -> HangVerdict | None:
         pids = {rank: workers[rank][0] for rank in ranks}
         logs = {rank: workers[rank][1] for rank in ranks}
-        devices = {rank: p.device for rank, p in ranks.items()}
         first, samples = self._evidence(ranks), _samples(pids)
         time.sleep(CONFIRM_S)
         self._read_tails(workers)
         second, activity = self._evidence(ranks), _activity(samples, _samples(pids), CONFIRM_S)
-        if moved := working(first, second, activity, devices):
+        if moved := working(first, second, activity, busy_counts):
             self._clear(stall, *next(iter(moved.items())))
             return None
         stacks_a = request_dumps(pids, logs)
@@ -262,11 +266,13 @@ class HangWatch:
         stacks_b = request_dumps(pids, logs)
         collectives = {rank: e.collectives for rank, e in second.items()}
         before_stacks = {rank: Evidence(e.last_progress, e.collectives, stacks_a.get(rank)) for rank, e in second.items()}
-        if moved := working(before_stacks, self._evidence(ranks, stacks_b, collectives), {}, devices):
+        if moved := working(before_stacks, self._evidence(ranks, stacks_b, collectives), {}):
             self._clear(stall, *next(iter(moved.items())))
             return None
         if (self.num_nodes > 1 and all_waiting_remotely(ranks, stacks_b, collectives)
-                and stall.silent_s < self.options.timeouts.default(stall.phase)):
+                and stall.silent_s < self.options.timeouts.longest_default()):
+            # This node holds none of the cause; the node that does may be doing legitimate slow work in a phase
+            # with a long limit that this node cannot see: wait as long as the longest of them.
             self._clear(stall, -1, "the rank holding this node's ranks up is on another node, whose watch decides")
             return None
         states = {rank: (activity[rank].state if rank in activity else None) for rank in ranks}
@@ -283,6 +289,7 @@ class HangWatch:
         culprit = blame(ranks, stacks, collectives, states, self.num_nodes)
         spy.join(10.0)
         stopped = stop_processes(list(pids.values()), self.options.grace_s)
+        self.history.escalate(stall.phase)  # a wrong verdict must not recur after the restart (PhaseHistory.escalate)
         blamed = ranks[culprit.rank]
         phase = blamed.open_phase or ("shutdown" if blamed.done else "train" if blamed.trained_steps else "startup")
         return HangVerdict(

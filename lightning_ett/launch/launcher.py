@@ -72,8 +72,8 @@ from lightning_ett.instrument.ledger import (
 )
 from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch
 from lightning_ett.launch.wandb_service import WandbService
-from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE, EXIT_USAGE
-from lightning_ett.lifecycle.sweeper import Sweeper, kill_process_groups
+from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE
+from lightning_ett.lifecycle.sweeper import Sweeper, sweep_attempt
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -154,6 +154,7 @@ class LaunchRecorder:
         self.attempt = self.first_attempt - 1
         self.last_failure: str | None = None
         self.not_retryable = False  # the last failure will fail the same way on every attempt
+        self.token = token
         if opts.hang.enabled:
             from lightning_ett.launch.worker import MENTIONS_MONITOR, mentions
 
@@ -212,10 +213,10 @@ class LaunchRecorder:
             return
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
         logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
-        self.not_retryable = any(code in (EXIT_NOT_RETRYABLE, EXIT_USAGE) for code in exitcodes.values())
+        self.not_retryable = any(code == EXIT_NOT_RETRYABLE for code in exitcodes.values())
         pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
         candidates = [rank for rank in pool if exitcodes[rank] != -signal.SIGTERM] or pool
-        candidates = [rank for rank in candidates if exitcodes[rank] in (EXIT_NOT_RETRYABLE, EXIT_USAGE)] or candidates
+        candidates = [rank for rank in candidates if exitcodes[rank] == EXIT_NOT_RETRYABLE] or candidates
         root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
         for rank in sorted(failures, key=lambda r: (r != root, r)):
             if rank == root:
@@ -290,10 +291,11 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
             return result
 
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-            pids = list((self._pcontext.pids() if self._pcontext is not None else {}).values())
+            groups = set((self._pcontext.pids() if self._pcontext is not None else {}).values())
             _release_finished_workers(self._pcontext)
             super()._shutdown(death_sig, timeout)
-            kill_process_groups(pids)  # what the workers started (DataLoader workers, a publisher) goes with them
+            if recorder.token is not None:  # what the workers started (DataLoader workers, a publisher) goes with them
+                sweep_attempt(recorder.token, groups)
 
     return RecordingAgent
 

@@ -54,7 +54,8 @@ def mentions(pattern: re.Pattern[str], script: str, script_args: tuple[str, ...]
     How the launcher guesses what a job will use before it runs: a match in a comment counts,
     and a module imported from elsewhere is not read.
     """
-    paths = [script, *(arg for arg in script_args if arg.endswith(_CONFIG_SUFFIXES))]
+    values = [arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg for arg in script_args]  # --config=x
+    paths = [script, *(arg for arg in values if arg.endswith(_CONFIG_SUFFIXES))]
     for path in paths:
         try:
             text = Path(path).read_text(errors="replace")
@@ -150,24 +151,36 @@ def prepare_worker(forked_by_server: bool) -> None:
 #: A worker's exit code for an error that fails the same way on every attempt (sysexits' EX_CONFIG): the
 #: launcher ends the job at once instead of retrying it ``--max-restarts`` times.
 EXIT_NOT_RETRYABLE = 78
-#: The exit code of a command-line usage error (argparse, jsonargparse, LightningCLI): not retried either.
-EXIT_USAGE = 2
+
 
 
 def not_retryable(error: BaseException) -> bool:
     """Whether ``error`` will fail the same way on every attempt: a configuration the job cannot run with.
 
     Our arguments' checks (:class:`~lightning_ett.durable.errors.ConfigurationError`), a directory a live
-    job owns, Lightning's ``MisconfigurationException``, a script that does not compile or import.
+    job owns, Lightning's ``MisconfigurationException``, a script that does not compile, and an import that
+    fails before training began (a missing package). An import that fails later can be a race that a retry
+    mends (two processes building one extension or compile cache), so it is retried.
     """
     from lightning_ett.durable.errors import ConfigurationError
     from lightning_ett.durable.ownership import DirectoryInUseError
+    from lightning_ett.instrument.timeline import Phase, get_timeline
 
-    kinds: tuple[type, ...] = (ConfigurationError, DirectoryInUseError, SyntaxError, ImportError)
+    kinds: tuple[type, ...] = (ConfigurationError, DirectoryInUseError, SyntaxError)
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
     if exceptions is not None:
         kinds += (exceptions.MisconfigurationException,)
-    return isinstance(error, kinds)
+    trained = get_timeline().exclusive_s.get(Phase.TRAIN.value, 0.0) > 0
+    return isinstance(error, kinds) or (isinstance(error, ImportError) and not trained)
+
+
+def _usage_error(stop: SystemExit) -> bool:
+    """A ``SystemExit(2)`` raised by a command-line parser (argparse, jsonargparse: LightningCLI): a usage error."""
+    tb, innermost = stop.__traceback__, None
+    while tb is not None:
+        innermost, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return stop.code == 2 and innermost is not None and ("argparse" in os.path.basename(innermost) or
+                                                         "jsonargparse" in innermost)
 
 
 def run_as_main(script: str, script_args: list[str]) -> None:
@@ -188,6 +201,8 @@ def run_as_main(script: str, script_args: list[str]) -> None:
     except SystemExit as stop:
         if not stop.code:
             return  # sys.exit() / sys.exit(0): a normal end (torch's agent waits for a return value)
+        if _usage_error(stop):
+            raise SystemExit(EXIT_NOT_RETRYABLE) from None  # the parser printed the usage and the error already
         if isinstance(stop.code, int):
             raise
         print(stop.code, file=sys.stderr)  # sys.exit("message"), as the interpreter prints it

@@ -11,9 +11,10 @@ Two mechanisms, for two moments:
 
 * **Between attempts** every worker leads its own process group (forked workers call
   :func:`lead_process_group`; torch starts ``--no-preload`` workers in a session of their own), so
-  everything it started is in that group unless it left it. :func:`kill_process_groups` stops the
-  groups, not just the pids: the agent does it after every stop of the worker group, the hang watch
-  when it stops a hung one.
+  everything it started is in that group unless it left it. The hang watch stops a hung group by
+  process group (:func:`kill_process_groups`, while the workers live); after every stop of the worker
+  group the agent kills what is left of the launch in those groups, or orphaned (:func:`sweep_attempt`,
+  by token, so that a pid reused by an unrelated process is never hit).
 * **When the launcher dies**, even by SIGKILL, the sweeper — a small process the launcher starts, in a
   session of its own, holding the read end of a pipe whose only writer is the launcher — reads
   end-of-file and SIGKILLs every process whose environment carries this launch's token
@@ -33,7 +34,7 @@ import sys
 import time
 import uuid
 
-from lightning_ett.durable.procfs import processes_with_env
+from lightning_ett.durable.procfs import processes_with_env, read_stat
 from lightning_ett.instrument.environment import ENV_LAUNCH_TOKEN, launch_scratch_dir
 
 #: How long a sweep goes on finding new processes (a forkserver may fork while it is being swept).
@@ -87,6 +88,32 @@ class Sweeper:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+
+
+def sweep_attempt(token: str, groups: set[int], within_s: float = SWEEP_S) -> int:
+    """After an attempt's workers stopped: SIGKILL what they left behind, and only that.
+
+    A process of this launch (its environment has the token: never an unrelated process that reuses a pid)
+    that is in one of ``groups`` (the stopped workers' process groups), or that is orphaned (its parent is
+    neither this launcher nor another process of the launch: a daemon a worker started and left). The
+    launcher's own children (forkserver, W&B service, sweeper) and theirs stay.
+    """
+    launcher, killed = os.getpid(), 0
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        ours = set(processes_with_env(ENV_LAUNCH_TOKEN, token))
+        left = [pid for pid in ours if (stat := read_stat(pid)) is not None and stat.state not in ("Z", "X")
+                and (stat.pgrp in groups or (stat.ppid != launcher and stat.ppid not in ours))]
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+    return killed
 
 
 def sweep(token: str, within_s: float = SWEEP_S) -> int:

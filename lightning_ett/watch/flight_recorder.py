@@ -67,8 +67,13 @@ class Collectives:
 
     @property
     def waiting(self) -> bool:
-        """It has enqueued a collective that has not completed (on CUDA: a GPU that has not got there yet)."""
+        """It has enqueued a collective that has not completed."""
         return any(g.waiting for g in self.groups.values())
+
+    @property
+    def waiting_on_gpu(self) -> bool:
+        """A NCCL collective of it is pending: its host, if it waits for it, spins at 100 % of a core."""
+        return any(g.waiting for key, g in self.groups.items() if key.startswith("nccl/"))
 
     def completed_since(self, earlier: Collectives) -> bool:
         """A collective of some group completed between ``earlier`` and this status: the rank progressed."""
@@ -76,34 +81,54 @@ class Collectives:
 
 
 def parse_status(dump: dict[str, Any]) -> Collectives:
-    """The per-group status of one of torch's flight-recorder dumps (``pg_status``, keyed by the group's uid).
-
-    Groups get their uids in the order they are created, which every rank shares (creating a group is
-    a collective), so a uid names the same group on every rank.
-    """
+    """A rank's answer (:func:`_dump_now`): ``{"groups": {key: {"enqueued": n, "completed": m}}}``."""
     groups = {}
-    for key, status in dict(dump.get("pg_status") or {}).items():
+    for key, status in dict(dump.get("groups") or {}).items():
         try:
-            groups[str(key)] = GroupStatus(int(status["last_enqueued_collective"]), int(status["last_completed_collective"]))
+            groups[str(key)] = GroupStatus(int(status["enqueued"]), int(status["completed"]))
         except (KeyError, TypeError, ValueError):
             continue
     return Collectives(groups)
 
 
+def group_statuses(recorder: str, dump: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """One of torch's recorder dumps as ``"recorder/group name" -> {"enqueued", "completed"}``.
+
+    torch keys ``pg_status`` by each backend's process-local uid, which differs between ranks (a rank
+    outside a subgroup creates no backend for it, so its later groups get other uids), and the gloo and
+    NCCL recorders number their groups independently. The group's *name* is the same on every rank
+    (torch's own flight-recorder analysis matches ranks by it); the dump's entries map uid to name. A
+    group with no entry left in the recorder's ring buffer is left out: it did nothing recently.
+    """
+    names = {int(e["pg_id"]): str(e["process_group"][0]) for e in dump.get("entries") or []
+             if "pg_id" in e and e.get("process_group")}
+    out = {}
+    for uid, status in dict(dump.get("pg_status") or {}).items():
+        name = names.get(int(uid)) if str(uid).lstrip("-").isdigit() else None
+        if name is None:
+            continue
+        try:
+            out[f"{recorder}/{name}"] = {"enqueued": int(status["last_enqueued_collective"]),
+                                         "completed": int(status["last_completed_collective"])}
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def _dump_now() -> bytes:
-    """This process's flight-recorder statuses (gloo's and, on CUDA builds, NCCL's), pickled; empty before torch."""
+    """This process's collectives per group, from gloo's recorder and, on CUDA builds, NCCL's (empty before torch)."""
     torch = sys.modules.get("torch")
-    status: dict[str, Any] = {}
+    groups: dict[str, dict[str, int]] = {}
     if torch is not None and torch.distributed.is_available():
         from torch._C import _distributed_c10d as c10d
 
-        for name in ("_dump_fr_trace", "_dump_nccl_trace"):
+        for recorder, name in (("gloo", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace")):
             dump = getattr(c10d, name, None)
             # No recorder for a backend (NCCL not initialized, an older torch): no evidence from it.
             with contextlib.suppress(Exception):
                 if dump is not None:
-                    status.update(pickle.loads(dump(False, False, False)).get("pg_status") or {})
-    return pickle.dumps({"pg_status": status, "time": time.time()})
+                    groups.update(group_statuses(recorder, pickle.loads(dump(True, False, False))))
+    return pickle.dumps({"groups": groups, "time": time.time()})
 
 
 def serve(rank: int) -> bool:

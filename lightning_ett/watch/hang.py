@@ -10,7 +10,9 @@ has written to its ledger for longer than that.
 (:func:`working`): a rank whose ledger moved, whose flight recorder completed a collective, whose
 process tree used CPU or I/O (:mod:`lightning_ett.watch.activity`), or whose stack changed between
 two dumps, is working, and so the job is not hung: its silent ranks wait for it. On a CUDA rank
-CPU time counts only while it has no collective pending: a rank waiting on NCCL spins at 100 %.
+CPU time counts only while it has no NCCL collective pending: a rank waiting on NCCL spins at 100 %.
+CPU and I/O alone explain a silence only up to the phase's unlearned default: past it a livelocked or
+spinning rank would look busy forever, so the stack must move too.
 
 **Blame** names the rank the others wait for, from evidence, strongest first:
 
@@ -78,20 +80,25 @@ class Evidence:
 
 
 def working(before: dict[int, Evidence], after: dict[int, Evidence], activity: dict[int, Activity],
-            devices: dict[int, str | None]) -> dict[int, str]:
-    """The ranks that made progress between two readings, each with the evidence that says so."""
+            busy_counts: bool = True) -> dict[int, str]:
+    """The ranks that made progress between two readings, each with the evidence that says so.
+
+    CPU time does not count for a rank with a NCCL collective pending: its host spins at 100 % of a core in
+    the synchronization that waits for it. ``busy_counts=False`` (a silence past its busy ceiling): CPU and I/O
+    count for none, only the ledger, the flight recorder and the stack.
+    """
     found: dict[int, str] = {}
     for rank, now in after.items():
         then = before.get(rank)
         if then is None:
             continue
-        act = activity.get(rank)
-        pending = now.collectives is not None and now.collectives.waiting
+        act = activity.get(rank) if busy_counts else None
+        spinning = now.collectives is not None and now.collectives.waiting_on_gpu
         if now.last_progress > then.last_progress:
             found[rank] = "its ledger moved"
         elif now.collectives is not None and then.collectives is not None and now.collectives.completed_since(then.collectives):
             found[rank] = "a collective of it completed"
-        elif act is not None and act.busy_cpu and not (pending and devices.get(rank) == "cuda"):
+        elif act is not None and act.busy_cpu and not spinning:
             found[rank] = f"its processes used {act.cpu:.0%} of a core"
         elif act is not None and act.busy_io:
             found[rank] = f"its processes moved {act.io_per_s / 1e6:.1f} MB/s"

@@ -98,7 +98,17 @@ class HangTimeouts:
         return replace(self, **seconds, fixed=self.fixed | frozenset(seconds))
 
     def default(self, key: str) -> float:
+        """``key``'s limit before it is learned (or as fixed by ``--hang-timeout``)."""
         return float(getattr(self, key))
+
+    def busy_ceiling(self, key: str) -> float:
+        """How long CPU time or I/O alone may explain a silence in ``key``: its unlearned default (or its fixed limit,
+        if longer). Past it a rank must also move its stack: a livelocked or spinning rank burns CPU forever."""
+        return max(float(getattr(self, key)), float(_FIELD_DEFAULTS[key]))
+
+    def longest_default(self) -> float:
+        """The longest unlearned default of any phase: how long a node that holds none of a stall's cause waits."""
+        return max(max(float(getattr(self, k)), float(_FIELD_DEFAULTS[k])) for k in self.phases())
 
 
 @dataclass
@@ -107,12 +117,26 @@ class _Seen:
     longest: float = 0.0
 
 
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(HangTimeouts) if f.name in HangTimeouts.phases()}
+
+
 class PhaseHistory:
-    """The longest time each phase took so far in this job, and how often it was seen (the learning input)."""
+    """The longest time each phase took so far in this job, and how often it was seen (the learning input).
+
+    A phase in which the watch stopped the job gets its generous default back for the rest of the job
+    (:meth:`escalate`): had the verdict been wrong — an idle wait the job does now and then, which looks
+    exactly like a hang — the same wait after the restart must not be stopped again. A false verdict then
+    costs a healthy job one restart, never a loop of them that ends at ``--max-restarts``.
+    """
 
     def __init__(self, timeouts: HangTimeouts) -> None:
         self.timeouts = timeouts
         self._seen: dict[str, _Seen] = {}
+        self._escalated: set[str] = set()
+
+    def escalate(self, key: str) -> None:
+        """The watch stopped the job in ``key``: from now on its limit is at least its unlearned default."""
+        self._escalated.add(key)
 
     def observe(self, key: str, seconds: float) -> None:
         seen = self._seen.setdefault(key, _Seen())
@@ -156,12 +180,13 @@ class PhaseHistory:
         seen = self._seen.get(key)
         if key in t.fixed or seen is None or seen.count < t.min_observations:
             return t.default(key)
-        return max(t.min_limit, t.safety_factor * seen.longest)
+        learned = max(t.min_limit, t.safety_factor * seen.longest)
+        return max(learned, t.default(key)) if key in self._escalated else learned
 
     def learned(self) -> dict[str, Any]:
         """What was learned, for the verdict: ``key -> (count, longest, limit)``."""
-        return {k: {"seen": s.count, "longest_s": round(s.longest, 3), "limit_s": round(self.limit(k), 3)}
-                for k, s in sorted(self._seen.items())}
+        return {k: {"seen": s.count, "longest_s": round(s.longest, 3), "limit_s": round(self.limit(k), 3),
+                    "escalated": k in self._escalated} for k, s in sorted(self._seen.items())}
 
 
 def _outermost(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

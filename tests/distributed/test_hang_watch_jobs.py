@@ -126,7 +126,12 @@ def test_an_error_no_restart_can_mend_ends_the_job_at_its_first_attempt(tmp_path
     (end,) = _records(run, "end")
     assert "gave up after 1 attempt(s)" in end["reason"] and "not retried" in end["reason"], end["reason"]
     assert "AsyncCheckpoint(every_n_train_steps=0)" in end["reason"]
-    assert proc.stdout.count("AsyncCheckpoint(every_n_train_steps=0)") <= 1  # the report says it once
+    assert proc.stdout.count("AsyncCheckpoint(every_n_train_steps=0)") == 1  # the report says it once
+    # A command-line usage error (argparse; LightningCLI's jsonargparse alike) is not retried either.
+    typo = launch(HANG_JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--maxsteps", "3",
+                  run_dir=tmp_path / "typo", max_restarts=3)
+    assert typo.returncode == 1 and "not retried" in typo.stderr and "unrecognized arguments: --maxsteps" in typo.stderr
+    assert [r["attempt"] for r in _records(tmp_path / "typo", "attempt")] == [0]
 
 
 @pytest.mark.skipif(os.environ.get("ETT_SLOW_TESTS") != "1", reason="the 30-40 s cases with default limits: "

@@ -80,12 +80,30 @@ def test_a_rank_that_never_enqueued_the_collective_its_peer_waits_for_is_named(t
 
 
 def test_progress_and_a_deadlock_across_groups():
-    before = Collectives({"0": GroupStatus(5, 4)})
-    assert Collectives({"0": GroupStatus(6, 5)}).completed_since(before)
-    assert not Collectives({"0": GroupStatus(6, 4)}).completed_since(before)
-    cycle = {0: Collectives({"0": GroupStatus(31, 30), "1": GroupStatus(4, 4)}),
-             1: Collectives({"0": GroupStatus(30, 30), "1": GroupStatus(5, 4)})}
+    before = Collectives({"gloo/0": GroupStatus(5, 4)})
+    assert Collectives({"gloo/0": GroupStatus(6, 5)}).completed_since(before)
+    assert not Collectives({"gloo/0": GroupStatus(6, 4)}).completed_since(before)
+    cycle = {0: Collectives({"gloo/0": GroupStatus(31, 30), "gloo/1": GroupStatus(4, 4)}),
+             1: Collectives({"gloo/0": GroupStatus(30, 30), "gloo/1": GroupStatus(5, 4)})}
     assert behind(cycle) is None  # each waits in a group the other never joins: not one rank to name
-    stuck = {0: Collectives({"0": GroupStatus(31, 30)}), 1: Collectives({"0": GroupStatus(31, 30)})}
+    stuck = {0: Collectives({"gloo/0": GroupStatus(31, 30)}), 1: Collectives({"gloo/0": GroupStatus(31, 30)})}
     assert behind(stuck) is None  # both enqueued it, neither completed it: a collective that never completes
-    assert flight_recorder.parse_status({"pg_status": {"0": {"last_enqueued_collective": 2}}}).groups == {}
+    assert flight_recorder.parse_status({"groups": {"gloo/0": {"enqueued": 2}}}).groups == {}
+
+
+def test_groups_are_matched_by_name_across_ranks_not_by_torchs_process_local_uid():
+    # What torch dumps when rank 1 is outside group "1" ([0] only): group "2" ([0, 1]) is uid 2 on rank 0, uid 1 on
+    # rank 1; gloo's and NCCL's recorders number their groups independently.
+    def dump(uids: dict[int, str], status: dict[int, tuple[int, int]]) -> dict:
+        return {"entries": [{"pg_id": uid, "process_group": (name, "undefined")} for uid, name in uids.items()],
+                "pg_status": {str(uid): {"last_enqueued_collective": e, "last_started_collective": -1,
+                                         "last_completed_collective": c} for uid, (e, c) in status.items()}}
+
+    r0 = flight_recorder.group_statuses("gloo", dump({0: "0", 1: "1", 2: "2"}, {0: (9, 9), 1: (3, 3), 2: (5, 4)}))
+    r1 = flight_recorder.group_statuses("gloo", dump({0: "0", 1: "2"}, {0: (9, 9), 1: (4, 4), 3: (7, 7)}))
+    assert r0 == {"gloo/0": {"enqueued": 9, "completed": 9}, "gloo/1": {"enqueued": 3, "completed": 3},
+                  "gloo/2": {"enqueued": 5, "completed": 4}}
+    assert r1 == {"gloo/0": {"enqueued": 9, "completed": 9}, "gloo/2": {"enqueued": 4, "completed": 4}}  # uid 3: no entry
+    assert flight_recorder.group_statuses("nccl", dump({1: "0"}, {1: (2, 1)})) == {"nccl/0": {"enqueued": 2, "completed": 1}}
+    named = behind({0: flight_recorder.parse_status({"groups": r0}), 1: flight_recorder.parse_status({"groups": r1})})
+    assert named is not None and named[0] == 1 and "in process group gloo/2" in named[1]
