@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_ett.durable.files import atomic_write_bytes
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_LAUNCH_TOKEN, launch_scratch_dir
 
 
@@ -81,7 +80,7 @@ class Collectives:
 
 
 def parse_status(dump: dict[str, Any]) -> Collectives:
-    """A rank's answer (:func:`_dump_now`): ``{"groups": {key: {"enqueued": n, "completed": m}}}``."""
+    """A rank's answer (:meth:`_Recorders.status`): ``{"groups": {key: {"enqueued": n, "completed": m}}}``."""
     groups = {}
     for key, status in dict(dump.get("groups") or {}).items():
         try:
@@ -91,17 +90,19 @@ def parse_status(dump: dict[str, Any]) -> Collectives:
     return Collectives(groups)
 
 
-def group_statuses(recorder: str, dump: dict[str, Any]) -> dict[str, dict[str, int]]:
+def group_statuses(recorder: str, dump: dict[str, Any], names: dict[int, str] | None = None) -> dict[str, dict[str, int]]:
     """One of torch's recorder dumps as ``"recorder/group name" -> {"enqueued", "completed"}``.
 
     torch keys ``pg_status`` by each backend's process-local uid, which differs between ranks (a rank
     outside a subgroup creates no backend for it, so its later groups get other uids), and the gloo and
     NCCL recorders number their groups independently. The group's *name* is the same on every rank
-    (torch's own flight-recorder analysis matches ranks by it); the dump's entries map uid to name. A
-    group with no entry left in the recorder's ring buffer is left out: it did nothing recently.
+    (torch's own flight-recorder analysis matches ranks by it); the dump's entries map uid to name, and
+    ``names`` keeps what earlier dumps mapped (it is updated). A group whose uid never appeared in an
+    entry is left out: it has done no collective that the recorder still holds.
     """
-    names = {int(e["pg_id"]): str(e["process_group"][0]) for e in dump.get("entries") or []
-             if "pg_id" in e and e.get("process_group")}
+    names = {} if names is None else names
+    names.update({int(e["pg_id"]): str(e["process_group"][0]) for e in dump.get("entries") or []
+                  if "pg_id" in e and e.get("process_group")})
     out = {}
     for uid, status in dict(dump.get("pg_status") or {}).items():
         name = names.get(int(uid)) if str(uid).lstrip("-").isdigit() else None
@@ -115,20 +116,36 @@ def group_statuses(recorder: str, dump: dict[str, Any]) -> dict[str, dict[str, i
     return out
 
 
-def _dump_now() -> bytes:
-    """This process's collectives per group, from gloo's recorder and, on CUDA builds, NCCL's (empty before torch)."""
-    torch = sys.modules.get("torch")
-    groups: dict[str, dict[str, int]] = {}
-    if torch is not None and torch.distributed.is_available():
-        from torch._C import _distributed_c10d as c10d
+class _Recorders:
+    """This process's flight recorders (gloo's and, on CUDA builds, NCCL's), read the cheap way when possible.
 
-        for recorder, name in (("gloo", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace")):
-            dump = getattr(c10d, name, None)
-            # No recorder for a backend (NCCL not initialized, an older torch): no evidence from it.
-            with contextlib.suppress(Exception):
-                if dump is not None:
-                    groups.update(group_statuses(recorder, pickle.loads(dump(True, False, False))))
-    return pickle.dumps({"groups": groups, "time": time.time()})
+    A status-only dump costs microseconds; the dump with entries, which maps a group's uid to its name, costs
+    tens of milliseconds (its 2000 entries): it is taken only when a uid appears that is not mapped yet.
+    """
+
+    def __init__(self) -> None:
+        self._names: dict[str, dict[int, str]] = {"gloo": {}, "nccl": {}}
+
+    def status(self) -> bytes:
+        torch = sys.modules.get("torch")
+        groups: dict[str, dict[str, int]] = {}
+        if torch is not None and torch.distributed.is_available():
+            from torch._C import _distributed_c10d as c10d
+
+            for recorder, name in (("gloo", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace")):
+                dump = getattr(c10d, name, None)
+                # No recorder for a backend (NCCL not initialized, an older torch): no evidence from it.
+                with contextlib.suppress(Exception):
+                    if dump is not None:
+                        groups.update(self._groups(recorder, dump))
+        return pickle.dumps({"groups": groups, "time": time.time()})
+
+    def _groups(self, recorder: str, dump: Any) -> dict[str, dict[str, int]]:
+        cheap = pickle.loads(dump(False, False, False))
+        names = self._names[recorder]
+        if any(int(uid) not in names for uid in dict(cheap.get("pg_status") or {}) if str(uid).lstrip("-").isdigit()):
+            return group_statuses(recorder, pickle.loads(dump(True, False, False)), names)
+        return group_statuses(recorder, cheap, names)
 
 
 def serve(rank: int) -> bool:
@@ -150,16 +167,19 @@ def serve(rank: int) -> bool:
 
 
 def _serve_forever(fifo: Path, answer: Path) -> None:
+    recorders = _Recorders()
     while True:
         try:
             with open(fifo, "rb") as request:  # blocks until the watch opens it for writing
                 request.read()
-            atomic_write_bytes(answer, _dump_now())
+            part = answer.with_name(answer.name + ".part")
+            part.write_bytes(recorders.status())
+            os.replace(part, answer)  # whole or not at all (a scratch file: no fsync)
         except OSError:
             time.sleep(1.0)  # the launch's directory went away (the job is ending)
 
 
-def request(token: str, attempt: int, ranks: list[int], timeout_s: float = 1.5) -> dict[int, Collectives | None]:
+def request(token: str, attempt: int, ranks: list[int], timeout_s: float = 3.0) -> dict[int, Collectives | None]:
     """Watch side: ask each rank for its status and wait up to ``timeout_s`` for the answers (``None``: no answer)."""
     asked: dict[int, float] = {}
     for rank in ranks:
