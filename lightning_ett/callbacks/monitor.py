@@ -130,9 +130,10 @@ class ETTMonitor(Callback):
         self._last_step: tuple[float, int] | None = None  # (duration, records at its start): judged at the next start
         self._bound_early = False
         if os.environ.get(ENV_HANG_WATCH):  # `lightning run` watches this rank's ledger for hangs
-            from lightning_ett.watch.stacks import register_dump_signal
+            from lightning_ett.watch.stacks import register_dump_signal, stack_dump_path
 
-            register_dump_signal()  # done already in lightning run's workers; here for a process they did not start
+            # Done already in lightning run's workers; here for a process they did not start.
+            register_dump_signal(stack_dump_path(self.context.run_dir, self.context.attempt, env_rank()))
             self._timeline.announce = True
             # The launcher numbered the attempt and torchelastic the rank: bind now, so that the watch sees this
             # rank from here on (the data module's setup runs before any callback hook) and what it begins.
@@ -195,6 +196,10 @@ class ETTMonitor(Callback):
         if self._hang_faults.in_collective:
             self._hang_group = hang_collective_group()  # a collective: every rank makes it
         compile_tracker()  # compilations become `compile` events, nested in the step that triggered them
+        if self.context.attempt > 0:  # a restart of this job: LightningCLI's config file is its own first attempt's
+            for callback in trainer.callbacks:
+                if type(callback).__name__ == "SaveConfigCallback" and not getattr(callback, "overwrite", True):
+                    self._patches.setattr(callback, "overwrite", True)
         self._wrap(trainer, "save_checkpoint", Phase.CHECKPOINT_SAVE)
         self._wrap(trainer.strategy, "load_checkpoint", Phase.CHECKPOINT_LOAD)
         connector = trainer._checkpoint_connector

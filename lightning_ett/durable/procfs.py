@@ -155,6 +155,15 @@ def processes_with_env(name: str, value: str) -> list[int]:
     return found
 
 
+def command_line(pid: int) -> str:
+    """``/proc/PID/cmdline`` with its arguments joined by spaces ("" when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def _all_pids() -> list[int]:
     try:
         return [int(name) for name in os.listdir("/proc") if name.isdigit()]
@@ -162,5 +171,5 @@ def _all_pids() -> list[int]:
         return []
 
 
-__all__ = ["Stat", "TreeSample", "children", "descendants", "process_alive", "process_start_ticks",
+__all__ = ["Stat", "TreeSample", "children", "command_line", "descendants", "process_alive", "process_start_ticks",
            "processes_with_env", "read_stat", "sample_tree"]

@@ -146,6 +146,11 @@ def _fact_lines(summary: Summary) -> list[str]:
     straggler = straggler_line(summary.stragglers)
     if straggler:
         lines.append(straggler)
+    if summary.suspicions:
+        first = summary.suspicions[0]
+        lines.append(f"hang watch: {len(summary.suspicions)} silence(s) past a limit were work, not hangs (first: "
+                     f"{first['limit_phase']} limit {first['limit_s']:g}s, rank {first['working_rank']}: "
+                     f"{first['evidence']})")
     return lines
 
 

@@ -67,6 +67,8 @@ class Summary:
     outcome: str | None = None  # the launcher's last word: "finished", "gave up after ...", ...
     facts: list[dict[str, Any]] = field(default_factory=list)  # Timeline.fact records of every rank, by time
     step_health: dict[str, Any] = field(default_factory=dict)  # see lightning_ett.instrument.step_health
+    #: The hang watch's cleared suspicions (launcher ``suspicion`` records): silences past a limit that were work.
+    suspicions: list[dict[str, Any]] = field(default_factory=list)
 
     def facts_named(self, name: str) -> list[dict[str, Any]]:
         return [f for f in self.facts if f.get("name") == name]
@@ -111,6 +113,7 @@ class Summary:
             "attempt_details": [vars(a) for a in self.attempts],
             "torn_records": self.torn_records,
             "outcome": self.outcome,
+            "hang_watch_suspicions": len(self.suspicions),
             "facts": [f for f in self.facts if f.get("name") != STRAGGLER_FACT],  # one per window: digested below
             "stragglers": self.stragglers,
             "step_health": self.step_health,
@@ -258,7 +261,8 @@ def summarize(
     first_rank = [lg for lg in ledgers if lg.rank == min(by_rank)]  # rank 0's steps, as the live figures
     health = step_health_summary((e for lg in first_rank for e in lg.events), segments, job_start, job_end)
     return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
-                   sum(lg.torn_lines for lg in ledgers), outcome, facts, health)
+                   sum(lg.torn_lines for lg in ledgers), outcome, facts, health,
+                   [r for r in launcher if r.get("kind") == "suspicion"])
 
 
 def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
@@ -308,7 +312,9 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
                 ranks=sorted(lg.rank for lg in group),
                 first_step=min(steps) if steps else None,
                 last_step=max(steps) if steps else None,
-                completed=any(lg.status == "finished" for lg in group) or (attempt in finished and not said),
+                # A rank that said "finished" (its fit ended) in an attempt the launcher then stopped or saw fail
+                # (a hang after fit, a crash at exit) did not finish the attempt.
+                completed=not said and (any(lg.status == "finished" for lg in group) or attempt in finished),
                 failure=failure,
             )
         )

@@ -30,7 +30,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,19 @@ from lightning_ett.lifecycle.sweeper import kill_process_groups
 from lightning_ett.watch import flight_recorder
 from lightning_ett.watch.activity import SAMPLE_S, Activity, ActivityMeter, activity_between
 from lightning_ett.watch.flight_recorder import Collectives
-from lightning_ett.watch.hang import Blame, Evidence, Stall, all_waiting_remotely, blame, find_stall, working
+from lightning_ett.watch.hang import (
+    Blame,
+    Evidence,
+    Stall,
+    all_waiting_remotely,
+    blame,
+    find_stall,
+    rank_limit_key,
+    working,
+)
 from lightning_ett.watch.limits import HangTimeouts, PhaseHistory
 from lightning_ett.watch.progress import LedgerTail, RankProgress
-from lightning_ett.watch.stacks import StackDump, py_spy_dumps, request_dumps
+from lightning_ett.watch.stacks import StackDump, py_spy_dumps, request_dumps, stack_dump_path
 
 #: How often the ledgers are read (the agent's own loop runs every ``monitor_interval``).
 POLL_S = 0.5
@@ -140,6 +149,7 @@ class HangWatch:
         self._backoff_s = 0.0
         self._episode = -1.0
         self._explained: list[float] = []  # starts of silences a working rank explained: not learned from
+        self._stopped: set[int] = set()  # ranks stopped by a signal (state T): they answer no request
         self._tails: dict[int, LedgerTail] = {}
         self.progress: dict[int, RankProgress] = {}
         self.meter = ActivityMeter()
@@ -185,8 +195,10 @@ class HangWatch:
         self._read_tails(workers)
         # A rank that has written nothing yet is watched only once its job showed that it writes a ledger.
         self._ledgers_seen = self._ledgers_seen or any(p.seen for p in self.progress.values())
+        # A rank whose script has ended (it wrote its shutdown at exit) waits for the agent to collect it: not watched.
         watched = {rank: self.progress[rank] for rank, (pid, _) in workers.items()
-                   if (self.progress[rank].seen or self._ledgers_seen) and process_alive(pid)}
+                   if (self.progress[rank].seen or self._ledgers_seen) and not self.progress[rank].exited
+                   and process_alive(pid)}
         pids = {rank: workers[rank][0] for rank in watched}
         self.meter.sample(pids, now)
         stall = find_stall(watched, self.history, now)
@@ -245,25 +257,36 @@ class HangWatch:
                 for rank, p in ranks.items()}
 
     def _collectives(self, ranks: list[int]) -> dict[int, Collectives | None]:
-        if self.token is None:
-            return dict.fromkeys(ranks)
-        return flight_recorder.request(self.token, self._attempt, ranks)
+        asked = [rank for rank in ranks if rank not in self._stopped]  # a stopped process cannot answer: do not wait
+        answers = flight_recorder.request(self.token, self._attempt, asked) if self.token is not None else {}
+        return {rank: answers.get(rank) for rank in ranks}
+
+    def _dumps(self, pids: dict[int, int], logs: dict[int, str | None]) -> dict[int, StackDump | None]:
+        asked = {rank: pid for rank, pid in pids.items() if rank not in self._stopped}
+        return {rank: None for rank in pids} | request_dumps(asked, {rank: self._stack_file(rank, logs) for rank in asked})
+
+    def _stack_file(self, rank: int, logs: dict[int, str | None]) -> str | None:
+        """Where ``rank`` writes its stack dumps: its own file (the console stays quiet), else its worker log."""
+        path = stack_dump_path(self.run_dir, self._attempt, rank)
+        return str(path) if path.exists() else logs.get(rank)
 
     def _confirm(self, stall: Stall, ranks: dict[int, RankProgress], workers: dict[int, tuple[int, str | None]],
                  busy_counts: bool) -> HangVerdict | None:
         pids = {rank: workers[rank][0] for rank in ranks}
         logs = {rank: workers[rank][1] for rank in ranks}
-        first, samples = self._evidence(ranks), _samples(pids)
+        samples = _samples(pids)
+        self._stopped = {rank for rank, sample in samples.items() if sample is not None and sample.state in ("T", "t")}
+        first = self._evidence(ranks)
         time.sleep(CONFIRM_S)
         self._read_tails(workers)
         second, activity = self._evidence(ranks), _activity(samples, _samples(pids), CONFIRM_S)
         if moved := working(first, second, activity, busy_counts):
             self._clear(stall, *next(iter(moved.items())))
             return None
-        stacks_a = request_dumps(pids, logs)
+        stacks_a = self._dumps(pids, logs)
         time.sleep(STACK_GAP_S)
         self._read_tails(workers)
-        stacks_b = request_dumps(pids, logs)
+        stacks_b = self._dumps(pids, logs)
         collectives = {rank: e.collectives for rank, e in second.items()}
         before_stacks = {rank: Evidence(e.last_progress, e.collectives, stacks_a.get(rank)) for rank, e in second.items()}
         if moved := working(before_stacks, self._evidence(ranks, stacks_b, collectives), {}):
@@ -276,25 +299,27 @@ class HangWatch:
             self._clear(stall, -1, "the rank holding this node's ranks up is on another node, whose watch decides")
             return None
         states = {rank: (activity[rank].state if rank in activity else None) for rank in ranks}
-        return self._respond(stall, ranks, pids, logs, stacks_b, collectives, states)
+        return self._respond(stall, ranks, pids, stacks_b, collectives, states)
 
-    def _respond(self, stall: Stall, ranks: dict[int, RankProgress], pids: dict[int, int], logs: dict[int, str | None],
+    def _respond(self, stall: Stall, ranks: dict[int, RankProgress], pids: dict[int, int],
                  stacks: dict[int, StackDump | None], collectives: dict[int, Collectives | None],
                  states: dict[int, str | None]) -> HangVerdict:
         detected = time.time()
-        native = {rank: Path(log).parent / "py-spy-native.txt" for rank, log in logs.items() if log}
+        stall = replace(stall, silent_s=detected - stall.since)  # as long as it was when the watch acted
+        native = {rank: stack_dump_path(self.run_dir, self._attempt, rank).with_name(f"rank-{rank:05d}.py-spy.txt")
+                  for rank in pids if rank not in self._stopped}  # py-spy cannot attach to a stopped process either
         spy = threading.Thread(target=py_spy_dumps, args=({r: pids[r] for r in native}, native), daemon=True,
                                name="ett-py-spy")
         spy.start()
         culprit = blame(ranks, stacks, collectives, states, self.num_nodes)
         spy.join(10.0)
         stopped = stop_processes(list(pids.values()), self.options.grace_s)
-        self.history.escalate(stall.phase)  # a wrong verdict must not recur after the restart (PhaseHistory.escalate)
         blamed = ranks[culprit.rank]
-        phase = blamed.open_phase or ("shutdown" if blamed.done else "train" if blamed.trained_steps else "startup")
+        for key in {stall.phase, rank_limit_key(blamed)}:  # a wrong verdict must not recur (PhaseHistory.escalate)
+            self.history.escalate(key)
         return HangVerdict(
-            attempt=self._attempt, rank=culprit.rank, phase=phase, step=blamed.current_step,
-            frames=_frames(stacks.get(culprit.rank)), culprit=culprit,
+            attempt=self._attempt, rank=culprit.rank, phase=blamed.open_phase or rank_limit_key(blamed),
+            step=blamed.current_step, frames=_frames(stacks.get(culprit.rank)), culprit=culprit,
             since={rank: p.last_progress for rank, p in ranks.items()}, detected=detected, stopped=stopped,
             stall=stall, limits=self.history.learned(),
         )

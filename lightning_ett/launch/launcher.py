@@ -192,6 +192,9 @@ class LaunchRecorder:
             self.hang = self.watch.poll(workers)
             while self.watch.cleared:  # suspicions a working rank cleared: in the ledger, not on the console
                 self.writer.append(self.watch.cleared.pop(0))
+            if self.hang is not None:  # one line now; the stacks are in RUN_DIR/stacks/, the verdict in the report
+                print(f"lightning run: attempt {self.attempt} {self.hang.reason}; its group was stopped "
+                      f"(evidence: {self.hang.culprit.evidence})", file=sys.stderr, flush=True)
 
     def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
                        suspects: set[int] | None = None) -> None:
@@ -325,14 +328,22 @@ def _release_finished_workers(pcontext: Any) -> None:
 RELEASE_TIMEOUT_S = 2.0
 
 
-class _PlainTraceback(logging.Filter):
-    """Format a record's traceback with the standard formatter.
+class _AgentLogFilter(logging.Filter):
+    """torch's agent logs, as the launcher wants them.
 
-    torch's log formatter imports ``torch._dynamo`` (1.4 s here) to format the first traceback
-    it sees — the agent logs one when a worker fails, so each restart would wait for it.
+    A record's traceback is formatted with the standard formatter: torch's imports ``torch._dynamo``
+    (1.4 s here) to format the first traceback it sees — the agent logs one when a worker fails, so each
+    restart would wait for it. And once the hang watch stopped the group, the agent's errors about the
+    workers it killed are dropped: they name local rank 0 and SIGKILL, not the hung rank and why.
     """
 
+    def __init__(self, recorder: LaunchRecorder | None = None) -> None:
+        super().__init__()
+        self.recorder = recorder
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.recorder is not None and self.recorder.hang is not None and record.levelno >= logging.ERROR:
+            return False  # the watch stopped the group and said why: torch's "failed (exitcode: -9) local_rank: 0" misleads
         if record.exc_info:
             record.exc_text = record.exc_text or logging.Formatter().formatException(record.exc_info)
             record.exc_info = None
@@ -344,12 +355,12 @@ _AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distri
 
 
 @contextlib.contextmanager
-def _agent_class(cls: type) -> Iterator[None]:
+def _agent_class(cls: type, recorder: LaunchRecorder) -> Iterator[None]:
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = cls
-    plain = _PlainTraceback()
+    plain = _AgentLogFilter(recorder)
     for name in _AGENT_LOGGERS:
         logging.getLogger(name).addFilter(plain)
     try:
@@ -443,7 +454,7 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
         config.start_method = "forkserver"
         entrypoint, args = run_script, list(_forked_worker_args(opts, {}))  # the env is set per attempt
     try:
-        with _agent_class(_recording_agent_class(recorder)):
+        with _agent_class(_recording_agent_class(recorder), recorder):
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         attempts = recorder.attempt - recorder.first_attempt + 1

@@ -25,7 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
-from lightning_ett.instrument.environment import ENV_HANG_WATCH
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_HANG_WATCH, ENV_RUN_DIR
 
 #: Imported once per node by the forkserver (through :mod:`lightning_ett.launch.preload`): what
 #: every Lightning + TorchRec script imports.
@@ -142,10 +142,12 @@ def prepare_worker(forked_by_server: bool) -> None:
     lead_process_group()
     if os.environ.get(ENV_HANG_WATCH):
         from lightning_ett.watch import flight_recorder
-        from lightning_ett.watch.stacks import register_dump_signal
+        from lightning_ett.watch.stacks import register_dump_signal, stack_dump_path
 
-        register_dump_signal()
-        flight_recorder.serve(int(os.environ.get("RANK", "0")))
+        rank, attempt, run_dir = int(os.environ.get("RANK", "0")), os.environ.get(ENV_ATTEMPT, ""), os.environ.get(ENV_RUN_DIR)
+        dumps = stack_dump_path(run_dir, int(attempt), rank) if run_dir and attempt.isdigit() else None
+        register_dump_signal(dumps)
+        flight_recorder.serve(rank)
 
 
 #: A worker's exit code for an error that fails the same way on every attempt (sysexits' EX_CONFIG): the
@@ -171,7 +173,25 @@ def not_retryable(error: BaseException) -> bool:
     if exceptions is not None:
         kinds += (exceptions.MisconfigurationException,)
     trained = get_timeline().exclusive_s.get(Phase.TRAIN.value, 0.0) > 0
-    return isinstance(error, kinds) or (isinstance(error, ImportError) and not trained)
+    return any(isinstance(e, kinds) or (isinstance(e, ImportError) and not trained) for e in _chain(error))
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and what it was raised from or while handling: LightningCLI's jsonargparse wraps an argument check
+    of a callback built from YAML in a ``ValueError`` ("Does not validate against any of the Union subtypes")."""
+    seen: list[BaseException] = []
+    while error is not None and all(error is not e for e in seen):
+        seen.append(error)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return seen
+
+
+def _root_configuration_error(error: BaseException) -> str:
+    """The innermost not-retryable error of the chain, as ``module.Class: message`` (its first line)."""
+    innermost = next(e for e in reversed(_chain(error)) if not_retryable(e))
+    kind = type(innermost)
+    first = (str(innermost).strip().splitlines() or [""])[0]
+    return f"{kind.__module__}.{kind.__qualname__}: {first}" if kind.__module__ != "builtins" else f"{kind.__qualname__}: {first}"
 
 
 def _usage_error(stop: SystemExit) -> bool:
@@ -213,7 +233,11 @@ def run_as_main(script: str, script_args: list[str]) -> None:
         # process group installs one that prefixes each line with `[rank<N>]:`); then exit 1, or
         # EXIT_NOT_RETRYABLE for an error no restart can mend.
         sys.excepthook(*sys.exc_info())
-        raise SystemExit(EXIT_NOT_RETRYABLE if not_retryable(error) else 1) from None
+        if not not_retryable(error):
+            raise SystemExit(1) from None
+        # Last, the cause in one line: the launcher's report quotes a worker's last exception line.
+        print(_root_configuration_error(error), file=sys.stderr)
+        raise SystemExit(EXIT_NOT_RETRYABLE) from None
     finally:
         # The script is over: let exit handlers (W&B's final sync, a checkpoint writer's last
         # word) finish even when the agent, stopping the group after another rank failed, sends

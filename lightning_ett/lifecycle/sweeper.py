@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 
-from lightning_ett.durable.procfs import processes_with_env, read_stat
+from lightning_ett.durable.procfs import command_line, processes_with_env, read_stat
 from lightning_ett.instrument.environment import ENV_LAUNCH_TOKEN, launch_scratch_dir
 
 #: How long a sweep goes on finding new processes (a forkserver may fork while it is being swept).
@@ -90,6 +90,16 @@ class Sweeper:
             self._process.wait()
 
 
+#: Left to end by itself: multiprocessing's resource tracker unlinks the semaphores and shared memory the job's
+#: processes leaked once the last of them is gone (it exits then); killing it leaked them in /dev/shm.
+_LEAVE = "multiprocessing.resource_tracker"
+
+
+def _ours(token: str) -> set[int]:
+    """The processes of this launch, but for those that end by themselves once it is over (:data:`_LEAVE`)."""
+    return {pid for pid in processes_with_env(ENV_LAUNCH_TOKEN, token) if _LEAVE not in command_line(pid)}
+
+
 def sweep_attempt(token: str, groups: set[int], within_s: float = SWEEP_S) -> int:
     """After an attempt's workers stopped: SIGKILL what they left behind, and only that.
 
@@ -101,7 +111,7 @@ def sweep_attempt(token: str, groups: set[int], within_s: float = SWEEP_S) -> in
     launcher, killed = os.getpid(), 0
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        ours = set(processes_with_env(ENV_LAUNCH_TOKEN, token))
+        ours = _ours(token)
         left = [pid for pid in ours if (stat := read_stat(pid)) is not None and stat.state not in ("Z", "X")
                 and (stat.pgrp in groups or (stat.ppid != launcher and stat.ppid not in ours))]
         if not left:
@@ -121,7 +131,7 @@ def sweep(token: str, within_s: float = SWEEP_S) -> int:
     killed: set[int] = set()
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        found = [pid for pid in processes_with_env(ENV_LAUNCH_TOKEN, token)]
+        found = sorted(_ours(token))
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -52,6 +52,7 @@ class GroupStatus:
 
     enqueued: int
     completed: int
+    pending: str | None = None  # the operation of its first collective not completed (e.g. "gloo:barrier")
 
     @property
     def waiting(self) -> bool:
@@ -84,13 +85,13 @@ def parse_status(dump: dict[str, Any]) -> Collectives:
     groups = {}
     for key, status in dict(dump.get("groups") or {}).items():
         try:
-            groups[str(key)] = GroupStatus(int(status["enqueued"]), int(status["completed"]))
+            groups[str(key)] = GroupStatus(int(status["enqueued"]), int(status["completed"]), status.get("pending"))
         except (KeyError, TypeError, ValueError):
             continue
     return Collectives(groups)
 
 
-def group_statuses(recorder: str, dump: dict[str, Any], names: dict[int, str] | None = None) -> dict[str, dict[str, int]]:
+def group_statuses(recorder: str, dump: dict[str, Any], names: dict[int, str] | None = None) -> dict[str, dict[str, Any]]:
     """One of torch's recorder dumps as ``"recorder/group name" -> {"enqueued", "completed"}``.
 
     torch keys ``pg_status`` by each backend's process-local uid, which differs between ranks (a rank
@@ -103,7 +104,7 @@ def group_statuses(recorder: str, dump: dict[str, Any], names: dict[int, str] | 
     names = {} if names is None else names
     names.update({int(e["pg_id"]): str(e["process_group"][0]) for e in dump.get("entries") or []
                   if "pg_id" in e and e.get("process_group")})
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for uid, status in dict(dump.get("pg_status") or {}).items():
         name = names.get(int(uid)) if str(uid).lstrip("-").isdigit() else None
         if name is None:
@@ -128,7 +129,7 @@ class _Recorders:
 
     def status(self) -> bytes:
         torch = sys.modules.get("torch")
-        groups: dict[str, dict[str, int]] = {}
+        groups: dict[str, dict[str, Any]] = {}
         if torch is not None and torch.distributed.is_available():
             from torch._C import _distributed_c10d as c10d
 
@@ -140,12 +141,21 @@ class _Recorders:
                         groups.update(self._groups(recorder, dump))
         return pickle.dumps({"groups": groups, "time": time.time()})
 
-    def _groups(self, recorder: str, dump: Any) -> dict[str, dict[str, int]]:
+    def _groups(self, recorder: str, dump: Any) -> dict[str, dict[str, Any]]:
         cheap = pickle.loads(dump(False, False, False))
         names = self._names[recorder]
-        if any(int(uid) not in names for uid in dict(cheap.get("pg_status") or {}) if str(uid).lstrip("-").isdigit()):
-            return group_statuses(recorder, pickle.loads(dump(True, False, False)), names)
-        return group_statuses(recorder, cheap, names)
+        status = dict(cheap.get("pg_status") or {})
+        if any(int(uid) not in names for uid in status if str(uid).lstrip("-").isdigit()):
+            groups = group_statuses(recorder, pickle.loads(dump(True, False, False)), names)
+        else:
+            groups = group_statuses(recorder, cheap, names)
+        if any(g["enqueued"] > g["completed"] for g in groups.values()):  # which operation each waits in
+            active = pickle.loads(dump(True, False, True)).get("entries") or []
+            ops = {(names.get(int(e["pg_id"])), int(e["collective_seq_id"])): str(e.get("profiling_name"))
+                   for e in active if "pg_id" in e and "collective_seq_id" in e}
+            for key, g in groups.items():
+                g["pending"] = ops.get((key.split("/", 1)[1], g["completed"] + 1))
+        return groups
 
 
 def serve(rank: int) -> bool:
@@ -241,6 +251,29 @@ def behind(statuses: dict[int, Collectives]) -> tuple[int, str] | None:
         return None
     (rank, evidence), = named.items()
     return rank, evidence
+
+
+def mismatch(statuses: dict[int, Collectives]) -> tuple[int | None, str] | None:
+    """Ranks that wait for the same collective of a group but called different operations (a collective only some
+    ranks call): the evidence, and the rank whose operation differs from all the others' (``None`` when no majority
+    says which, as with two ranks)."""
+    keys = sorted({k for s in statuses.values() for k in s.groups})
+    for key in keys:
+        waiting = {r: s.groups[key] for r, s in statuses.items() if key in s.groups and s.groups[key].waiting}
+        by_seq: dict[int, dict[int, str]] = {}
+        for rank, g in waiting.items():
+            if g.pending:
+                by_seq.setdefault(g.completed + 1, {})[rank] = g.pending
+        for seq, ops in sorted(by_seq.items()):
+            if len(set(ops.values())) < 2:
+                continue
+            called = ", ".join(f"rank {r} {op}" for r, op in sorted(ops.items()))
+            counts = {op: sum(1 for o in ops.values() if o == op) for op in set(ops.values())}
+            odd = [r for r, op in ops.items() if counts[op] == 1 and len(ops) > 2 and max(counts.values()) > 1]
+            evidence = (f"flight recorder: ranks wait for collective #{seq} of process group {key} but called "
+                        f"different ones ({called}): a collective only some ranks call")
+            return (odd[0] if len(odd) == 1 else None), evidence
+    return None
 
 
 def _list(ranks: list[int]) -> str:

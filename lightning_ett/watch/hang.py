@@ -33,19 +33,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_ett.watch.activity import Activity
-from lightning_ett.watch.flight_recorder import Collectives, behind
+from lightning_ett.watch.flight_recorder import Collectives, behind, mismatch
 from lightning_ett.watch.limits import SHUTDOWN, STARTUP, TRAIN, PhaseHistory, limit_key
 from lightning_ett.watch.progress import RankProgress
 from lightning_ett.watch.stacks import StackDump
 
 
-def rank_limit_key(progress: RankProgress, warmup_steps: int) -> str:
-    """Which limit a rank's present state falls under."""
+def rank_limit_key(progress: RankProgress) -> str:
+    """Which limit a rank's present state falls under: its innermost announced phase; else ``shutdown`` once ``fit``
+    is over, ``train`` once it began a step in this attempt, ``startup`` before."""
     if progress.open_phase is not None:
         return limit_key(progress.open_phase)
     if progress.done:
         return SHUTDOWN
-    return TRAIN if progress.trained_steps > warmup_steps else STARTUP
+    return TRAIN if progress.position[0] >= 0 else STARTUP
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def find_stall(ranks: dict[int, RankProgress], history: PhaseHistory, now: float
     """The job's stall, if no rank wrote to its ledger for longer than the job's limit (see the module docstring)."""
     if not ranks:
         return None
-    keys = {rank: rank_limit_key(p, history.timeouts.warmup_steps) for rank, p in ranks.items()}
+    keys = {rank: rank_limit_key(p) for rank, p in ranks.items()}
     limited_by = max(ranks, key=lambda r: (history.limit(keys[r]), -r))
     limit = history.limit(keys[limited_by])
     since = max(p.last_progress for p in ranks.values())
@@ -132,6 +133,11 @@ def blame(ranks: dict[int, RankProgress], stacks: dict[int, StackDump | None],
     known = {r: c for r, c in (collectives or {}).items() if c is not None and r in ranks}
     if (named := behind(known)) is not None:
         return Blame(named[0], named[1], False, "flight_recorder")
+    if (odd := mismatch(known)) is not None:
+        if odd[0] is not None:
+            return Blame(odd[0], odd[1], False, "flight_recorder")
+        first = min(ranks, key=lambda r: (ranks[r].last_progress, r))
+        return Blame(first, f"ambiguous: {odd[1]}; rank {first} went silent first", True, "first_silent")
     positions = {rank: p.position for rank, p in ranks.items()}
     lag = [r for r, pos in positions.items() if pos == min(positions.values())]
     if len(lag) < len(ranks):

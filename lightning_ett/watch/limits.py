@@ -56,8 +56,8 @@ class HangTimeouts:
     (a garbage collection, a batch read from a cold page cache, a scheduling hiccup on a loaded host:
     seconds), for a fast step's 5x would be a fraction of a second. What lets longer slow work through
     is the evidence of work the watch checks before it acts, not this floor. Training steps are
-    observed from a rank's ``warmup_steps``-th step of an attempt on (the first steps build
-    kernels and warm caches); before that a training rank is in ``startup``.
+    learned from a rank's ``warmup_steps``-th step of an attempt on (the first steps build kernels
+    and warm caches, and a compilation in them is a phase of its own).
     """
 
     startup: float = 600.0

@@ -64,6 +64,7 @@ class RankProgress:
     position: tuple[int, int, int] = (-1, 0, 0)
     trained_steps: int = 0  # in this attempt
     done: bool = False  # it said how its attempt ended (``fit`` is over): what follows is shutdown or post-fit work
+    exited: bool = False  # its script ended (the ``shutdown`` event is written at exit): the agent collects it
     _open: list[str] = field(default_factory=list)  # phases begun and not yet ended, innermost last
 
     @property
@@ -120,6 +121,6 @@ class RankProgress:
             if isinstance(step, int):
                 self.step, self.position = step, (step, 1, 0)
         elif phase == SHUTDOWN:
-            self.done = True
+            self.done = self.exited = True
         self.last_progress = max(self.last_progress, end)
         return None if nested else (phase, end - start, steps_before)

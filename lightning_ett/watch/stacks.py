@@ -2,8 +2,8 @@
 
 Each worker registers :mod:`faulthandler` on :data:`DUMP_SIGNAL` (:func:`register_dump_signal`):
 the dump is written by a C signal handler, so it arrives even from a rank blocked inside a C call
-(a gloo wait, a read on a dead mount), every thread included, into the rank's own stderr log: the
-attempt's worker log. ``py-spy`` adds native frames where it is installed and allowed to attach.
+(a gloo wait, a read on a dead mount), every thread included, into a file of the rank's own in the
+run directory (:func:`stack_dump_path`). ``py-spy`` adds native frames where it is installed and allowed to attach.
 """
 
 from __future__ import annotations
@@ -37,9 +37,30 @@ _BACKWARD = re.compile(r"torch/autograd/(graph|__init__)\.py")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
-def register_dump_signal() -> None:
-    """Make this process dump every thread's Python stack to stderr on :data:`DUMP_SIGNAL` (idempotent)."""
-    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+_registered: tuple[int, object] | None = None  # (pid, the file dumps go to): kept open for faulthandler
+
+
+def stack_dump_path(run_dir: str | os.PathLike, attempt: int, rank: int) -> Path:
+    """Where a rank under ``lightning run`` writes its stack dumps: a file of its own, not its stderr, which the
+    launcher echoes to the console (a hang's two dumps of every thread were hundreds of lines there)."""
+    return Path(run_dir) / "stacks" / f"attempt-{attempt:04d}" / f"rank-{rank:05d}.txt"
+
+
+def register_dump_signal(path: str | os.PathLike | None = None) -> None:
+    """Make this process dump every thread's Python stack on :data:`DUMP_SIGNAL`, into ``path`` (stderr if ``None``
+    or not writable). Once per process: a later call keeps the first file."""
+    global _registered
+    if _registered is not None and _registered[0] == os.getpid():
+        return
+    out: object = sys.stderr
+    if path is not None:
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            out = open(path, "a")  # noqa: SIM115 - faulthandler writes to it until the process ends
+        except OSError:
+            out = sys.stderr
+    faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True, chain=False)  # type: ignore[arg-type]
+    _registered = (os.getpid(), out)
 
 
 @dataclass(frozen=True)

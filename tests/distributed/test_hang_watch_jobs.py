@@ -53,6 +53,23 @@ def test_slow_legitimate_work_in_every_phase_is_no_hang(tmp_path: Path) -> None:
     assert {r["limit_phase"] for r in cleared} >= {"train", "publish"}, cleared
 
 
+def test_an_idle_wait_taken_for_a_hang_costs_one_restart_not_a_loop_of_them(tmp_path: Path) -> None:
+    # Rank 1 waits idly for 8 s after step 12, on every attempt (a remote call, a lock): no CPU, no I/O, a still
+    # stack, while rank 0 waits for it in a collective. Past the learned step limit (here --hang-min-limit 2: 2 s)
+    # that is a hang by any evidence; after the restart the phase has its default back, and the job finishes.
+    run = tmp_path / "run"
+    proc = launch(HANG_JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "16",
+                  "--every", "10", "--act", "idle:1:*:8@12", flags=["--hang-min-limit", "2", "--hang-grace", "0.2"],
+                  run_dir=run, max_restarts=3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    verdicts = [r for r in _records(run, "failure") if r.get("root_cause")]
+    assert [(r["attempt"], r["rank"], r["hang"]["phase"]) for r in verdicts] == [(0, 1, "train")]
+    assert verdicts[0]["hang"]["limits"]["train"]["escalated"] is True
+    s = summarize_run_dir(run)
+    assert len(s.attempts) == 2 and s.attempts[1].completed
+    assert [f["global_step"] for f in rank_facts(tmp_path / "out")] == [16, 16]
+
+
 # Attempt by attempt, rank 1 hangs somewhere else; the last attempt finishes. (attempt, act, phase in the verdict)
 HANGS = [(0, "hang_setup:1:0", "data_init"),  # LightningDataModule.setup of a new job's first attempt
          (1, "hang_train:1:1@7", "train"),  # training_step

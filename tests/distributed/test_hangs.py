@@ -62,11 +62,13 @@ def test_a_hung_rank_is_named_stopped_and_restarted_and_the_job_matches_an_unint
     # What the hang cost is its own phase: from each rank's last progress to the kill (at least the 2 s timeout).
     assert s.phases["hang"] >= 2.0 and s.per_rank[1]["hang"] >= 2.0
     assert abs(sum(s.phases.values()) - s.wall_s) < 1e-6
-    # Every rank's stacks (all threads) are in the attempt's worker logs.
-    logs = sorted((tmp_path / "run" / "worker_logs").rglob("stderr.log"))
-    dumped = [p for p in logs if "most recent call first" in p.read_text(errors="replace")]
-    assert len(dumped) == 2, logs
-    assert function in "".join(p.read_text(errors="replace") for p in dumped)
+    # Every rank's stacks (all threads) are in a file of its own, not on the console (which says it in one line).
+    dumps = sorted((tmp_path / "run" / "stacks" / "attempt-0000").glob("rank-?????.txt"))  # and rank-N.py-spy.txt
+    assert [p.name for p in dumps] == ["rank-00000.txt", "rank-00001.txt"]
+    assert all(p.read_text().count("(most recent call first)") >= 2 for p in dumps)  # every thread, twice
+    assert function in dumps[1].read_text()
+    assert "most recent call first" not in proc.stdout + proc.stderr
+    assert "lightning run: attempt 0 hung in train at step 30 (rank 1: " in proc.stderr
 
 
 def test_a_recompile_longer_than_the_step_timeout_is_not_a_hang(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ Slow work (CPU-bound, ``SECONDS`` long; a healthy job must finish in one attempt
 * ``save``: in ``on_save_checkpoint`` of the save at or after step ``STEP`` (an uneven checkpoint save);
 * ``recompile``: from step ``STEP`` on, this rank's batches have another size (``--compile``: a recompile);
 * ``test``: ``trainer.test`` after ``fit``, each test step working.
+* ``idle``: after step ``STEP``, an idle wait (``time.sleep``: a remote call, a lock), which looks like a hang.
 
 Hangs (``time.sleep`` forever, or SIGSTOP), in attempt ``ATTEMPT`` only:
 
@@ -187,6 +188,8 @@ class Acts(Callback):
         for act in self.acts:
             if act.here("rank_work") and trainer.global_step == act.step:
                 busy(act.seconds)
+            if act.here("idle") and trainer.global_step == act.step:
+                time.sleep(act.seconds)
             if act.here("sigstop") and trainer.global_step == act.step:
                 print(f"hang_job: rank {RANK} stops itself (attempt {ATTEMPT})", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)

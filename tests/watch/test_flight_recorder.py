@@ -66,7 +66,7 @@ def test_a_rank_that_never_enqueued_the_collective_its_peer_waits_for_is_named(t
         s0, s1 = statuses[0], statuses[1]
         assert s0 is not None and s1 is not None
         (key,) = s0.groups  # the default group, keyed alike on both ranks
-        assert s0.groups[key] == GroupStatus(4, 3) and s0.waiting
+        assert s0.groups[key] == GroupStatus(4, 3, "gloo:all_reduce") and s0.waiting  # waiting in which operation
         assert s1.groups[key] == GroupStatus(3, 3) and not s1.waiting
         named = behind({0: s0, 1: s1})
         assert named is not None and named[0] == 1 and "wait for collective #4, which rank 1 has not enqueued" in named[1]

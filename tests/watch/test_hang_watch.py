@@ -90,25 +90,29 @@ def test_a_phase_the_watch_stopped_the_job_in_gets_its_default_back_so_a_wrong_v
 
 
 def test_what_limit_a_rank_is_under():
-    p = trained(0, 3)
-    assert rank_limit_key(p, warmup_steps=5) == "startup"  # its first steps
+    p = RankProgress(0, last_progress=1000.0)
+    assert rank_limit_key(p) == "startup"  # before its first step
+    p.update({"kind": "begin", "phase": "train", "step": 0, "time": 1000.5})
+    assert rank_limit_key(p) == "train"  # from its first step on (`--hang-timeout train=S` holds there too)
     p = trained(0, 10)
-    assert rank_limit_key(p, 5) == "train"
     p.update({"kind": "begin", "phase": "eval", "time": 1003.0})
     p.update({"kind": "begin", "phase": "checkpoint_save", "time": 1003.1})
-    assert rank_limit_key(p, 5) == "checkpoint_save"
+    assert rank_limit_key(p) == "checkpoint_save"
     p.update({"kind": "event", "phase": "checkpoint_save", "start": 1003.1, "end": 1003.2})
-    assert rank_limit_key(p, 5) == "eval"  # still inside the evaluation that contains the save
+    assert rank_limit_key(p) == "eval"  # still inside the evaluation that contains the save
     p.update({"kind": "event", "phase": "eval", "start": 1003.0, "end": 1004.0})
     p.update({"kind": "begin", "phase": "model_init", "time": 1004.1})
-    assert rank_limit_key(p, 5) == "startup"  # the start-up phases share one limit
+    assert rank_limit_key(p) == "startup"  # the start-up phases share one limit
     p.update({"kind": "status", "status": "finished", "time": 1005.0})
-    assert rank_limit_key(p, 5) == "shutdown"
+    assert rank_limit_key(p) == "shutdown"
     p.update({"kind": "begin", "phase": "eval", "time": 1005.5})  # trainer.test after fit
-    assert rank_limit_key(p, 5) == "eval"
+    assert rank_limit_key(p) == "eval"
     p.update({"kind": "event", "phase": "eval", "start": 1005.5, "end": 1009.0})
     p.update({"kind": "begin", "phase": "publish", "time": 1009.1})  # ModelPublisher's last publish, after the status
-    assert rank_limit_key(p, 5) == "publish"
+    assert rank_limit_key(p) == "publish"
+    assert not p.exited
+    p.update({"kind": "event", "phase": "shutdown", "start": 1010.0, "end": 1011.0})  # written at exit
+    assert p.exited
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True])
@@ -215,6 +219,18 @@ def test_the_flight_recorder_names_the_rank_behind_in_the_collective_sequence_wh
              1: Collectives({"gloo/0": GroupStatus(30, 30), "gloo/1": GroupStatus(5, 4)})}
     b = blame({0: r0, 1: r1}, {}, cycle)
     assert (b.rank, b.source) == (0, "progress")
+
+
+def test_a_collective_only_some_ranks_call_is_named_by_the_operations_they_wait_in():
+    ranks = {r: trained(r, 30) for r in range(3)}
+    ops = {0: "gloo:broadcast", 1: "gloo:barrier", 2: "gloo:broadcast"}
+    statuses = {r: Collectives({"gloo/0": GroupStatus(31, 30, op)}) for r, op in ops.items()}
+    b = blame(ranks, {r: IN_BARRIER for r in ranks}, statuses)
+    assert (b.rank, b.source, b.ambiguous) == (1, "flight_recorder", False)
+    assert "called different ones (rank 0 gloo:broadcast, rank 1 gloo:barrier, rank 2 gloo:broadcast)" in b.evidence
+    two = {r: statuses[r] for r in (0, 1)}  # two ranks: no majority says which one is wrong
+    b = blame({r: ranks[r] for r in (0, 1)}, {0: IN_BARRIER, 1: IN_BARRIER}, two)
+    assert b.ambiguous and "a collective only some ranks call" in b.evidence
 
 
 def test_blame_falls_back_to_progress_then_stacks_and_says_when_it_is_ambiguous():
