@@ -106,8 +106,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                      help="Start each worker as a fresh `python SCRIPT` instead of forking it from a server that "
                      "imported torch, Lightning and TorchRec once per node.")
     hang = run.add_argument_group("hang watch", "A job none of whose ranks makes progress (ledger, collectives, CPU, "
-                                  "I/O, stack) for longer than its phase allows is hung: its stacks are dumped into the "
-                                  "worker logs, the rank the others wait for is named, and the group is stopped and "
+                                  "I/O, stack) for longer than its phase allows is hung: its stacks are dumped into "
+                                  "RUN_DIR/stacks/, the rank the others wait for is named, and the group is stopped and "
                                   "restarted (counted against --max-restarts).")
     hang.add_argument("--hang-timeout", "--hang_timeout", action="append", default=[], metavar="PHASE=SECONDS",
                       help="Fix PHASE's limit at SECONDS, never learned (repeatable). PHASE: startup, train, compile, "
