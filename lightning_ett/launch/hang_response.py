@@ -56,7 +56,8 @@ from lightning_ett.watch.stacks import StackDump, py_spy_dumps, request_dumps, s
 
 #: How often the ledgers are read (the agent's own loop runs every ``monitor_interval``).
 POLL_S = 0.5
-#: The confirmation window: a suspect job's evidence is read at its start and at its end.
+#: The confirmation window: a suspect job's evidence is read at its start and at its end (at most half the limit,
+#: for a limit fixed below 4 s: CPU time is read in 10 ms ticks, so even 0.5 s tells work from a wait).
 CONFIRM_S = 2.0
 #: Between the two stack dumps of a confirmation.
 STACK_GAP_S = 1.0
@@ -277,14 +278,15 @@ class HangWatch:
         samples = _samples(pids)
         self._stopped = {rank for rank, sample in samples.items() if sample is not None and sample.state in ("T", "t")}
         first = self._evidence(ranks)
-        time.sleep(CONFIRM_S)
+        window = min(CONFIRM_S, stall.limit_s / 2)
+        time.sleep(window)
         self._read_tails(workers)
-        second, activity = self._evidence(ranks), _activity(samples, _samples(pids), CONFIRM_S)
+        second, activity = self._evidence(ranks), _activity(samples, _samples(pids), window)
         if moved := working(first, second, activity, busy_counts):
             self._clear(stall, *next(iter(moved.items())))
             return None
         stacks_a = self._dumps(pids, logs)
-        time.sleep(STACK_GAP_S)
+        time.sleep(min(STACK_GAP_S, stall.limit_s / 4))
         self._read_tails(workers)
         stacks_b = self._dumps(pids, logs)
         collectives = {rank: e.collectives for rank, e in second.items()}

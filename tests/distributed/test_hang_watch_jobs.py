@@ -36,7 +36,7 @@ def test_slow_legitimate_work_in_every_phase_is_no_hang(tmp_path: Path) -> None:
     # after a step, one rank's slow epoch start in its DataLoader workers, an uneven checkpoint save, a validation,
     # a final publish whose process works, and trainer.test after fit.
     run, out = tmp_path / "run", tmp_path / "out"
-    acts = ["--act", "rank_work:0:0:3.5@12", "--act", "epoch_start:1:0:3.5@20", "--act", "save:1:0:3.5@25",
+    acts = ["--act", "rank_work:0:0:3@12", "--act", "epoch_start:1:0:3@20", "--act", "save:1:0:3@25",
             "--act", "test:0:0:1.5"]
     proc = launch(HANG_JOB, "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "30", "--workers", "2",
                   "--val-every", "10", "--publish-dir", str(tmp_path / "pub"), "--test-after-fit", *acts, flags=TIGHT,
@@ -54,12 +54,12 @@ def test_slow_legitimate_work_in_every_phase_is_no_hang(tmp_path: Path) -> None:
 
 
 def test_an_idle_wait_taken_for_a_hang_costs_one_restart_not_a_loop_of_them(tmp_path: Path) -> None:
-    # Rank 1 waits idly for 8 s after step 12, on every attempt (a remote call, a lock): no CPU, no I/O, a still
-    # stack, while rank 0 waits for it in a collective. Past the learned step limit (here --hang-min-limit 2: 2 s)
+    # Rank 1 waits idly for 5 s after step 12, on every attempt (a remote call, a lock): no CPU, no I/O, a still
+    # stack, while rank 0 waits for it in a collective. Past the learned step limit (here --hang-min-limit 1: 1 s)
     # that is a hang by any evidence; after the restart the phase has its default back, and the job finishes.
     run = tmp_path / "run"
     proc = launch(HANG_JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "16",
-                  "--every", "10", "--act", "idle:1:*:8@12", flags=["--hang-min-limit", "2", "--hang-grace", "0.2"],
+                  "--every", "10", "--act", "idle:1:*:5@12", flags=["--hang-min-limit", "1", "--hang-grace", "0.2"],
                   run_dir=run, max_restarts=3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     verdicts = [r for r in _records(run, "failure") if r.get("root_cause")]
@@ -77,15 +77,16 @@ HANGS = [(0, "hang_setup:1:0", "data_init"),  # LightningDataModule.setup of a n
          (3, "hang_save:1:3@6", "checkpoint_save"),  # on_save_checkpoint, the save at step 10
          (4, "hang_eval:1:4", "eval"),  # validation_step, after step 10
          (5, "hang_data:1:5@10", "data_init"),  # a DataLoader worker as the epoch at step 10 starts
-         (6, "sigstop:1:6@13", "train")]  # SIGSTOP after step 13
+         (6, "sigstop:1:6@13", "train"),  # SIGSTOP after step 13
+         (7, "", "train")]  # in a collective of a side group no other rank joins, after step 14 (a fault switch)
 
 
 def test_a_hang_in_every_phase_is_caught_and_the_hung_rank_named(tmp_path: Path) -> None:
     run, out = tmp_path / "run", tmp_path / "out"
-    acts = [arg for _, act, _ in HANGS for arg in ("--act", act)]
-    proc = launch(HANG_JOB, "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "16", "--every", "5",
+    acts = [arg for _, act, _ in HANGS if act for arg in ("--act", act)]
+    proc = launch(HANG_JOB, "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "17", "--every", "5",
                   "--val-every", "5", "--workers", "2", *acts, flags=TIGHT, run_dir=run, max_restarts=len(HANGS),
-                  timeout=400)
+                  timeout=400, LIGHTNING_ETT_FAULT_HANG_COLLECTIVE="1:14:7")
     assert proc.returncode == 0, proc.stderr[-4000:]
     verdicts = [r for r in _records(run, "failure") if r.get("root_cause")]
     assert [r["attempt"] for r in verdicts] == [a for a, _, _ in HANGS]
@@ -94,14 +95,15 @@ def test_a_hang_in_every_phase_is_caught_and_the_hung_rank_named(tmp_path: Path)
         assert (verdict["rank"], hang["phase"], hang["ambiguous"]) == (1, phase, False), (act, verdict["reason"])
         if act.startswith("sigstop"):  # it cannot dump its stack or serve its flight recorder: the OS names it
             assert hang["source"] == "os" and "stopped (process state T" in hang["evidence"]
-        else:  # it never enqueued the collective rank 0 waits for
+        else:  # it never enqueued the collective of the default group that rank 0 waits for
             assert hang["source"] == "flight_recorder", (act, hang["evidence"])
-            where = "dataloader.py" if act.startswith("hang_data") else "hang_job.py"  # its loader worker is stuck
-            assert any(where in frame for frame in hang["frames"]), hang["frames"]
+            assert "rank(s) 0 wait for collective #" in hang["evidence"] and "which rank 1 has not enqueued" in hang["evidence"]
+            where = {"hang_data": "dataloader.py", "": "faults.py"}.get(act.split(":")[0], "hang_job.py")
+            assert any(where in frame for frame in hang["frames"]), (act, hang["frames"])  # e.g. its loader is stuck
         assert hang["detected"] - hang["since"]["1"] < 15, (act, hang)  # the 1.5-2 s limits, confirmation, a busy CI
     s = summarize_run_dir(run)
     assert len(s.attempts) == len(HANGS) + 1 and s.attempts[-1].completed
-    assert [f["global_step"] for f in rank_facts(out)] == [16, 16]
+    assert [f["global_step"] for f in rank_facts(out)] == [17, 17]
     assert "[ambiguous]" not in proc.stdout and "hung in checkpoint_load (rank 1: " in proc.stdout
 
 
