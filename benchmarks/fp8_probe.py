@@ -1,15 +1,20 @@
-"""FP8Probe: what it costs the training loop, what it finds, and what training in FP8 on its choice gives.
+"""FP8Probe: what it costs the training loop, what it finds, and whether its verdict flips where FP8 starts to hurt.
 
-    .venv/bin/python benchmarks/fp8_probe.py [--rounds 3] [--models planted dlrm]
+    .venv/bin/python benchmarks/fp8_probe.py [--rounds 3] [--steps 3000] [--precision bf16-mixed]
+                                             [--sweep 10 100 1000 10000 100000] [--seeds 0 1 2] [--skip-overhead]
 
-For each model — the planted-outlier MLP (examples/fp8_outliers.py) and the example DLRM (one
-process) — every round is one process (tests/scripts/fp8_job.py ``probe --baseline``) that trains
-the model twice on the same data, without and with ``FP8Probe()`` at its defaults, the order
-alternating from round to round; the figure is the training loop's time with ÷ without
-(medians, min–max; goal <= 1.02), beside the probe's own measured share. Then the verdicts of
-the last round, and three trainings with FP8 emulated (``emulate_float8_training``: the casts
-and GEMMs the probe measures with) on no layer, on the probe's safe layers, and on all layers,
-each scored by its loss on 16 unseen batches.
+**Overhead** (the goal's own metric: the training loop with the probe ÷ without, goal <= 1.02). The
+planted-outlier MLP (examples/fp8_outliers.py), ``--steps`` steps under ``--precision``. Every
+round is one process (tests/scripts/fp8_job.py ``probe --arms ...``) that trains the same model on
+the same data three times: without the probe (A), without it again (A', the A/A control that sizes
+the noise), and with ``FP8Probe()`` at its defaults; the arm order rotates from round to round.
+The figure is each round's loop time with ÷ A, beside A' ÷ A; medians (min-max) and every run.
+
+**The outlier sweep.** The planted layer's four useless input features at scale 10 ... 1e5, with
+several data seeds. For each: the probe's verdict on the planted layer (a probed fit of
+``--steps``), and the held-out loss of training with torchao's own ``Float8Linear`` on the planted
+layer alone ÷ training without FP8 (same precision, seed, data, 600 steps). The verdict should turn
+``unsafe`` where that ratio starts to rise.
 """
 
 from __future__ import annotations
@@ -29,8 +34,7 @@ sys.path.insert(0, str(HERE))
 from spread import median_range
 
 JOB = REPO / "tests" / "scripts" / "fp8_job.py"
-STEPS = {"planted": 3000, "dlrm": 1500}  # probe rounds: enough for the default 2 % budget to reach verdicts
-TRAIN_STEPS = {"planted": 600, "dlrm": 300}
+ARMS = ["none", "none", "probe"]  # A, A', with
 
 
 def job(*args: str) -> dict:
@@ -44,69 +48,75 @@ def job(*args: str) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-def sampled_steps_extra(step_s: list[float], sampled: list[int]) -> float:
-    """What the sampled steps took beyond a typical (median) unsampled step, as a share of the rest of the loop.
+def overhead(tmp: Path, rounds: int, steps: int, precision: str) -> dict:
+    with_ratio, aa_ratio, last = [], [], {}
+    for r in range(rounds):
+        order = ARMS[r % 3:] + ARMS[:r % 3]  # rotate: each arm takes each position once in 3 rounds
+        labels = []
+        seen = 0
+        for arm in order:
+            labels.append("A" if arm == "none" and seen == 0 else "A'" if arm == "none" else "with")
+            seen += arm == "none"
+        out = tmp / f"overhead-{r}"
+        out.mkdir()
+        last = job("probe", "--arms", ",".join(order), "--steps", str(steps), "--precision", precision, "--out", str(out))
+        loops = dict(zip(labels, last["loop_s"]))
+        with_ratio.append(loops["with"] / loops["A"])
+        aa_ratio.append(loops["A'"] / loops["A"])
+        print(f"round {r + 1} ({' '.join(labels)}): loops " + ", ".join(f"{k} {v:.2f}s" for k, v in loops.items())
+              + f"; with/A {with_ratio[-1]:.3f}, A'/A {aa_ratio[-1]:.3f}; the probe's own share "
+              f"{100 * last['overhead']:.2f} %, {last['samples_taken']} samples", flush=True)
+    print(f"\n## overhead: planted model, {steps} steps, {precision}, {rounds} rounds\n")
+    print(f"training loop with FP8Probe ÷ without: **{median_range(with_ratio, '.3f')}** {[round(x, 3) for x in with_ratio]}"
+          f" (goal <= 1.02: {'met' if statistics.median(with_ratio) <= 1.02 else 'NOT met'})")
+    print(f"A/A control (without ÷ without): {median_range(aa_ratio, '.3f')} {[round(x, 3) for x in aa_ratio]}\n")
+    print("| layer | verdict | eligible | windows (needed) | bad | SQNR dB q10 / worst | measured GEMMs | reason |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fqn, res in last["results"].items():
+        q10, worst = res["sqnr_db_q10"], res["sqnr_db_worst"]
+        print(f"| {fqn} | {res['verdict']} | {'yes' if res['eligible'] else 'no'} | {res['samples']} "
+              f"({res['samples_needed'] or '-'}) | {res['bad_windows']} | {q10 if q10 is None else round(q10, 1)} / "
+              f"{worst if worst is None else round(worst, 1)} | {'+'.join(res['measured_gemms'])} | {res['reason']} |")
+    print(f"\n{last['summary_line']}\n")
+    return last
 
-    Read from one run's own step clock, so slow drifts of the machine (which move whole runs by
-    10-20 % here) cancel out; it misses only costs spread over every step (the probe's per-step
-    check is two comparisons).
-    """
-    marked = set(sampled)
-    typical = statistics.median(s for i, s in enumerate(step_s) if i not in marked)
-    extra = sum(max(step_s[i] - typical, 0.0) for i in marked if i < len(step_s))
-    return extra / (sum(step_s) - extra)
+
+def sweep(tmp: Path, scales: list[float], seeds: list[int], steps: int, precision: str) -> None:
+    print(f"## outlier sweep: {precision}, probe {steps} steps; torchao FP8 on the planted layer alone, 600 steps\n")
+    print("| outlier scale | seed | planted verdict (bad / windows) | planted worst SQNR dB | loss FP8 ÷ bf16 |")
+    print("|---|---|---|---|---|")
+    for scale in scales:
+        for seed in seeds:
+            common = ["--outlier-scale", f"{scale:g}", "--seed", str(seed), "--precision", precision]
+            out = tmp / f"sweep-{scale:g}-{seed}"
+            out.mkdir()
+            probed = job("probe", "--steps", str(steps), "--probe-args", json.dumps({"include": ["planted"]}),
+                         "--out", str(out), *common)
+            planted = probed["results"]["planted"]
+            trained_out = tmp / f"sweep-{scale:g}-{seed}-train"
+            trained_out.mkdir()
+            trained = job("train", "--train-arms", "none,planted", "--steps", "600", "--out", str(trained_out), *common)
+            ratio = trained["planted"]["held_out_loss"] / trained["none"]["held_out_loss"]
+            worst = planted["sqnr_db_worst"]
+            print(f"| {scale:g} | {seed} | {planted['verdict']} ({planted['bad_windows']} / {planted['samples']}) | "
+                  f"{worst if worst is None else round(worst, 1)} | {ratio:.4f} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", nargs="+", choices=sorted(STEPS), default=["planted", "dlrm"])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--sweep", type=float, nargs="*", default=[10, 100, 1000, 10000, 100000])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sweep-steps", type=int, default=1500)
+    parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ett-fp8-") as tmp:
-        for model in args.models:
-            ratios, overheads, sampled_shares, hook_us, last = [], [], [], [], {}
-            for r in range(args.rounds):
-                out = Path(tmp) / f"{model}-{r}"
-                out.mkdir()
-                order = ["--probe-first"] if r % 2 else []
-                last = job("probe", "--baseline", *order, "--model", model, "--steps", str(STEPS[model]), "--out", str(out))
-                ratios.append(last["loop_s_with"] / last["loop_s_without"])
-                overheads.append(100 * last["overhead"])
-                sampled_shares.append(100 * sampled_steps_extra(last["step_s_with"], last["sampled_steps"]))
-                unsampled = [h for i, h in enumerate(last["hook_s"]) if i not in set(last["sampled_steps"])]
-                hook_us.append(1e6 * statistics.median(unsampled))  # (a mean would add GC pauses that land in them)
-                print(f"{model} round {r + 1}: with/without {ratios[-1]:.3f} (loops {last['loop_s_with']:.2f} / "
-                      f"{last['loop_s_without']:.2f} s; the probe's own share {overheads[-1]:.2f} %, "
-                      f"{last['samples_taken']} samples; the sampled steps' extra time {sampled_shares[-1]:.2f} %; "
-                      f"its hooks on an unsampled step, median {hook_us[-1]:.1f} us)", flush=True)
-            print(f"\n## {model}: {STEPS[model]} steps per loop, {args.rounds} rounds\n")
-            print(f"step time with FP8Probe / without: **{median_range(ratios, '.3f')}** (goal <= 1.02: "
-                  f"{'met' if statistics.median(ratios) <= 1.02 else 'NOT met'}); the probe's own measured share "
-                  f"{median_range(overheads, '.2f')} %; the sampled steps' extra wall time over a typical step, as a "
-                  f"share of the loop: {median_range(sampled_shares, '.2f')} %; its hooks on an unsampled step, timed in "
-                  f"place (median): {median_range(hook_us, '.1f')} us\n")
-            print("| layer | verdict | eligible | SQNR dB, worst GEMM (95 % interval) | samples | M×K×N | FLOP share |")
-            print("|---|---|---|---|---|---|---|")
-            for fqn, res in last["results"].items():
-                low, high = res["sqnr_db_low"], res["sqnr_db_high"]
-                interval = f"{res['sqnr_db_mean']:.1f} ({low:.1f} – {high:.1f})" if low is not None else \
-                    f"{res['sqnr_db_mean']:.1f}"
-                shape = res["shape"]
-                print(f"| {fqn} | {res['verdict']} | {'yes' if res['eligible'] else 'no'} | {interval} | {res['samples']} | "
-                      f"{shape['M']}×{shape['K']}×{shape['N']} | {100 * res['flop_share']:.1f} % |")
-            print(f"\n{last['summary_line']}")
-            results_file = Path(tmp) / f"{model}-{args.rounds - 1}" / "result.json"
-            train_out = Path(tmp) / f"{model}-train"
-            train_out.mkdir()
-            trained = job("train", "--model", model, "--results", str(results_file), "--steps", str(TRAIN_STEPS[model]),
-                          "--out", str(train_out))
-            base = trained["none"]["held_out_loss"]
-            print(f"\nEmulated FP8 training, {TRAIN_STEPS[model]} steps, held-out loss (÷ full precision):")
-            for arm, label in (("none", "no layer (full precision)"), ("safe", "the probe's safe layers"),
-                               ("all", "every Linear")):
-                loss = trained[arm]["held_out_loss"]
-                print(f"- FP8 on {label}: {loss:.6f} ({loss / base:.4f}); layers: {trained[arm]['swapped']}")
-            print()
+        if not args.skip_overhead:
+            overhead(Path(tmp), args.rounds, args.steps, args.precision)
+        if args.sweep:
+            sweep(Path(tmp), args.sweep, args.seeds, args.sweep_steps, args.precision)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ mark_imported()  # the ``import`` phase ends once Lightning and torch are in
 
 
 def __getattr__(name: str) -> object:
-    """FP8Probe loads on first use: torchao and SciPy are not every job's import time."""
+    """FP8Probe loads on first use: torchao is not every job's import time."""
     if name == "FP8Probe":
         from lightning_ett.callbacks.fp8_probe import FP8Probe
 

@@ -6,8 +6,10 @@ import fnmatch
 import json
 import math
 import os
+import statistics
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,10 @@ from typing_extensions import override
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.durable.files import atomic_write_text
-from lightning_ett.fp8.cast import RECIPES
+from lightning_ett.fp8.cast import RECIPES, Recipe
 from lightning_ett.fp8.eligible import eligible
-from lightning_ett.fp8.probe import LayerRecord, combine, measure
-from lightning_ett.fp8.stats import SAFE, UNDECIDED
+from lightning_ett.fp8.probe import LayerRecord, combine, compute_dtype, measure_backward, measure_output, sample_forward
+from lightning_ett.fp8.stats import SAFE, UNDECIDED, UNSAFE
 from lightning_ett.instrument.environment import ENV_RUN_DIR
 from lightning_ett.instrument.timeline import FP8_FACT, get_timeline
 
@@ -34,45 +36,55 @@ DEFAULT_SQNR_THRESHOLD_DB = 20.0
 
 
 class FP8Probe(Callback):
-    r"""Measure, at sampled training steps, what FP8 would do to each ``nn.Linear``'s three GEMMs; decide which are safe.
+    r"""Measure, at sampled training steps, what FP8 would do to each ``nn.Linear``'s GEMMs; decide which are safe.
 
-    At a sampled step every selected layer that is still undecided keeps its real input and, in
-    backward, the gradient of its output; its forward GEMM and both backward GEMMs are then
-    computed in the layer's own precision and in FP8 as torchao's ``tensorwise`` and ``rowwise``
-    recipes cast them (``torch._scaled_mm`` where the backend has it, on CPU too in torch 2.13,
-    else an exact dequantize-and-matmul emulation: :mod:`lightning_ett.fp8.cast`). Per layer
-    it keeps, across samples, the SQNR (torchao's definition) and relative error of each GEMM,
-    the amaxes of input, weight and gradient, the shares of values saturated and flushed to
-    zero, and the GEMM shape with its share of the model's Linear FLOPs.
+    At a sampled step each selected layer still being tested (or due a re-check) keeps
+    ``max_rows`` rows of its real input and, in backward, of the gradient of its output; each
+    GEMM the layer really runs — the forward one always (a frozen layer too), grad-input when its
+    input needs a gradient, grad-weight when its weight does — is computed as the layer computes
+    it under the run's precision (autocast's dtype under ``bf16-mixed``/``16-mixed``, the
+    parameters' under ``32-true``/``bf16-true``) and in FP8 as torchao's ``recipe`` casts it
+    (:mod:`lightning_ett.fp8.cast`: torchao's scales and casts, ``torch._scaled_mm`` with
+    torchao's ``use_fast_accum`` where the backend has it). Per layer it keeps the SQNR
+    (torchao's definition) of each GEMM, the amaxes of input, weight and gradient, the shares of
+    values saturated and flushed to zero, and the GEMM shape with its share of the Linear FLOPs.
 
-    The verdict uses one number per sample: the worst SQNR of the layer's three GEMMs under
-    ``recipe``. Its mean's two-sided Student-t interval at ``confidence`` makes the layer
-    ``safe`` (lower bound >= ``sqnr_threshold_db``), ``unsafe`` (upper bound below it) or
-    ``undecided``; decided layers are no longer sampled. Sampling is every ``every_n_steps``
-    steps at most, and rarer when needed to keep the probe's own time — measured, hooks and
-    GEMMs — within ``max_overhead`` of the training time. ``eligible`` is torchao's verdict on
-    the shape (:mod:`lightning_ett.fp8.eligible`).
+    The verdict is a test on the tail of the per-step SQNR (worst measured GEMM, worst rank),
+    one observation per window of ``every_n_steps`` steps (:mod:`lightning_ett.fp8.stats`, where
+    the reasoning is): ``safe`` once enough windows (29 at the defaults, more when windows are
+    autocorrelated) all reach ``sqnr_threshold_db`` — at ``confidence``, fewer than a share
+    ``tail`` of steps fall below it; ``unsafe`` at the first window below it, naming that step;
+    ``undecided`` until then, with the reason (how many windows the budget has bought, and what
+    would buy the rest). A safe layer is re-checked at one sampled window in
+    ``recheck_every`` for the rest of training; a later bad window turns it ``unsafe``, with a
+    warning, in the report and in W&B. Sampling is once per ``every_n_steps`` steps at most, and
+    rarer when needed to keep the probe's own time within ``max_overhead`` of training time.
+    ``eligible`` is torchao's verdict on the shape (:mod:`lightning_ett.fp8.eligible`).
 
     Every rank samples its own data; at the end of ``fit`` one all-gather combines the ranks'
-    statistics (sums) and every rank holds the same :attr:`results`. Then rank zero prints a
-    table ending with "FP8-safe and eligible: X of Y layers, Z% of GEMM FLOPs", writes
-    ``fp8_probe.json`` into the ETT run directory (``LIGHTNING_ETT_RUN_DIR``, which ETTMonitor
-    and ``lightning run`` set; else ``trainer.default_root_dir``), logs a table to every
-    ``WandbLogger`` and states the line in the ETT report. :meth:`module_filter_fn` is ready for
-    torchao's ``convert_to_float8_training``. Only ``nn.Linear`` layers are probed: TorchRec's
-    (sharded) embedding tables are lookups, not GEMMs, and are left alone.
+    windows (one window seen on several ranks is one observation, at its worst) and every rank
+    holds the same :attr:`results`. Then rank zero prints a table ending with "FP8-safe and
+    eligible: X of Y layers, Z% of GEMM FLOPs", writes ``fp8_probe.json`` into the ETT run
+    directory (``LIGHTNING_ETT_RUN_DIR``, which ETTMonitor and ``lightning run`` set; else
+    ``trainer.default_root_dir``), logs a table to every ``WandbLogger`` and states the line in
+    the ETT report. :meth:`module_filter_fn` is ready for torchao's ``convert_to_float8_training``.
+    Layers are found at ``on_fit_start``, after ``configure_model``. Only ``nn.Linear`` layers
+    are probed: TorchRec's (sharded) embedding tables are lookups, not GEMMs.
 
     Args:
-        every_n_steps: at most one sample every this many optimizer steps (the first at this step).
-        sqnr_threshold_db: the SQNR a layer's worst GEMM must reach (default 20 dB: an RMS
+        every_n_steps: the window: at most one sample every this many optimizer steps (the first at this step).
+        sqnr_threshold_db: the SQNR a layer's worst GEMM must reach at a step (default 20 dB: an RMS
             error of 10 % of the GEMM's output; e5m2 gradients alone give ~25 dB on well-scaled data).
-        confidence: of the interval that decides (0 < confidence < 1).
+        tail: the share of steps allowed below the threshold (0 < tail < 1; 0.1: the 10th percentile of
+            per-step SQNR must reach it).
+        confidence: of the verdict ``safe`` (0 < confidence < 1).
         max_overhead: the probe's time as a share of training time to stay within (0 < x < 1).
+        recheck_every: a safe layer is measured at one sampled window in this many.
         include: fqn patterns (``fnmatch``: ``"model.over_arch.*"``) of the layers to probe; ``None``: all.
         exclude: fqn patterns of layers not to probe.
         recipe: the torchao recipe the verdict and eligibility are for (``"tensorwise"`` or ``"rowwise"``).
         max_rows: rows of each GEMM's M dimension (batch x sequence) measured per sample, chosen at
-            random (the scales still come from every row); ``None``: all. Bounds a sample's cost.
+            random (the scales still come from every row); ``None``: all. Bounds a sample's cost and memory.
 
     Under ``torch.compile``, the hooks of a sampled step make Dynamo recompile the hooked
     layers' frames; probe an eager run where that matters.
@@ -80,55 +92,68 @@ class FP8Probe(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 50,
+        every_n_steps: int = 10,
         sqnr_threshold_db: float = DEFAULT_SQNR_THRESHOLD_DB,
+        tail: float = 0.1,
         confidence: float = 0.95,
         max_overhead: float = 0.02,
+        recheck_every: int = 4,
         include: list[str] | str | None = None,
         exclude: list[str] | str | None = None,
         recipe: str = "tensorwise",
-        max_rows: int | None = 512,
+        max_rows: int | None = 128,
     ) -> None:
-        _validate(every_n_steps, sqnr_threshold_db, confidence, max_overhead, recipe)
+        _validate(every_n_steps, sqnr_threshold_db, tail, confidence, max_overhead, recipe)
         if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 16):
             raise ConfigurationError(f"FP8Probe(max_rows={max_rows!r}): expected an int >= 16 (rows of a GEMM measured per "
                                      "sample), or None for all rows.")
+        if not isinstance(recheck_every, int) or isinstance(recheck_every, bool) or recheck_every < 1:
+            raise ConfigurationError(f"FP8Probe(recheck_every={recheck_every!r}): expected an int >= 1 (a safe layer is "
+                                     "measured at one sampled window in this many).")
         self.max_rows = max_rows
         self.every_n_steps = every_n_steps
         self.sqnr_threshold_db = float(sqnr_threshold_db)
+        self.tail = float(tail)
         self.confidence = float(confidence)
         self.max_overhead = float(max_overhead)
+        self.recheck_every = recheck_every
         self.include = _patterns(include, "include")
         self.exclude = _patterns(exclude, "exclude")
         self.recipe = recipe
+        self._recipe = Recipe.from_torchao(recipe)
         self.results: dict[str, dict[str, Any]] = {}
         # per fit
         self._layers: dict[str, nn.Linear] = {}  # every Linear of the module, by fqn
         self._selected: list[str] = []
         self._records: dict[str, LayerRecord] = {}
+        self._local: dict[str, str] = {}  # this rank's verdict so far, per selected layer: what to sample
         self._handles: list[Any] = []
         self._generator = torch.Generator()
         self._sampling = False
         self._batch_start = 0.0
         self._probe_step_s = 0.0
+        self._sample_costs: deque[float] = deque(maxlen=16)
         # resumable
         self.next_sample_step = every_n_steps
+        self.opportunities = 0  # sampling windows reached
         self.probe_s = 0.0
         self.train_s = 0.0
         self.train_steps = 0
         self.samples_taken = 0
         self.sampled_steps: list[int] = []  # the global steps this rank sampled at (this fit)
+        self.turned_unsafe: list[dict[str, Any]] = []  # safe layers a re-check found bad, on this rank (this fit)
         self._restored: dict[str, Any] | None = None
         self._overheads: list[float] = []  # each rank's measured overhead, known at the end of fit
 
     # ------------------------------------------------------------------ set-up
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # (not ``setup``: Lightning calls ``configure_model`` after the callbacks' ``setup``)
         self._layers = {fqn: m for fqn, m in pl_module.named_modules() if isinstance(m, nn.Linear)}
         self._selected = self._select(pl_module)
-        self._records = {fqn: LayerRecord(fqn, m.in_features, m.out_features) for fqn, m in self._layers.items()}
+        self._records = {fqn: LayerRecord(fqn, m.in_features, m.out_features, self.sqnr_threshold_db)
+                         for fqn, m in self._layers.items()}
+        self._local = dict.fromkeys(self._selected, UNDECIDED)
         self._generator = torch.Generator().manual_seed(trainer.global_rank)  # which rows a sample measures
 
     def _select(self, pl_module: pl.LightningModule) -> list[str]:
@@ -152,18 +177,20 @@ class FP8Probe(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
-        if restored and trainer.global_rank == 0:  # every rank loaded rank 0's sums: one copy of them counts
-            kernels = restored.get("kernels", {})
+        if restored and trainer.global_rank == 0:  # every rank loaded rank 0's windows: one copy of them counts
             for fqn, vector in restored.get("records", {}).items():
-                if fqn in self._records:
-                    record = self._records[fqn]
-                    self._records[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, [vector],
-                                                                  kernels.get(fqn, ""))
+                record = self._records.get(fqn)
+                if record is not None and len(vector) == len(record.to_vector()):  # (a record of this version)
+                    self._records[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features,
+                                                                  self.sqnr_threshold_db, [vector])
+        for fqn in self._selected:
+            self._local[fqn] = self._records[fqn].decision(self.tail, self.confidence).verdict
 
     # ------------------------------------------------------------------ sampling
-    def _undecided(self) -> list[str]:
-        return [f for f in self._selected
-                if self._records[f].verdict.verdict(self.sqnr_threshold_db, self.confidence) == UNDECIDED]
+    def _due(self) -> set[str]:
+        """The layers to measure at this window: those being tested, and the safe ones at every ``recheck_every``-th."""
+        recheck = self.opportunities % self.recheck_every == 0
+        return {f for f, v in self._local.items() if v == UNDECIDED or (v == SAFE and recheck)}
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -171,32 +198,45 @@ class FP8Probe(Callback):
         self._probe_step_s = 0.0
         if trainer.global_step < self.next_sample_step or self._sampling or accumulating(trainer):
             return  # (the common case first: this is every step's cost; one batch per optimizer step is sampled)
-        undecided = set(self._undecided())
-        if not undecided:
+        self.opportunities += 1
+        due = self._due()
+        if not due:
+            self.next_sample_step = trainer.global_step + self.every_n_steps
             return
         start = time.perf_counter()
         self._sampling = True
+        window = trainer.global_step // self.every_n_steps
         for fqn, module in self._layers.items():
-            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, probe=fqn in undecided)))
+            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, window, probe=fqn in due)))
         self._probe_step_s += time.perf_counter() - start
 
-    def _forward_hook(self, fqn: str, probe: bool) -> Callable[..., None]:
+    def _forward_hook(self, fqn: str, window: int, probe: bool) -> Callable[..., None]:
         record = self._records[fqn]
 
         def hook(module: nn.Linear, args: tuple[Any, ...], output: torch.Tensor) -> None:
             start = time.perf_counter()
-            rows = args[0].detach().reshape(-1, module.in_features)
-            record.observe_rows(rows.shape[0])
-            if probe and torch.is_grad_enabled() and output.requires_grad:
+            x = args[0]
+            record.observe_rows(x.numel() // max(module.in_features, 1))
+            if probe and isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor):
+                rows = x.detach().reshape(-1, module.in_features)
                 weight = module.weight.detach()
+                sample = sample_forward(rows, weight, compute_dtype(x, output), self._recipe, self.max_rows,
+                                        self._generator)
+                record.add(window, measure_output(sample, self._recipe))  # the forward GEMM: frozen layers too
+                record.observe_amax("input", rows)
+                record.observe_amax("weight", weight)
+                grad_input, grad_weight = x.requires_grad, module.weight.requires_grad
+                if torch.is_grad_enabled() and output.requires_grad and (grad_input or grad_weight):
 
-                def on_grad(grad: torch.Tensor) -> None:
-                    began = time.perf_counter()
-                    grad_rows = grad.detach().reshape(-1, module.out_features)
-                    record.add(measure(rows, weight, grad_rows, self.recipe, self.max_rows, self._generator), self.recipe)
-                    self._probe_step_s += time.perf_counter() - began
+                    def on_grad(grad: torch.Tensor) -> None:
+                        began = time.perf_counter()
+                        grad_rows = grad.detach().reshape(-1, module.out_features)
+                        record.observe_amax("grad_output", grad_rows)
+                        for result in measure_backward(sample, grad_rows, self._recipe, grad_input, grad_weight):
+                            record.add(window, result)
+                        self._probe_step_s += time.perf_counter() - began
 
-                output.register_hook(on_grad)
+                    output.register_hook(on_grad)
             self._probe_step_s += time.perf_counter() - start
 
         return hook
@@ -213,6 +253,7 @@ class FP8Probe(Callback):
             handle.remove()
         self._handles.clear()
         self._sampling = False
+        self._update_verdicts(trainer)
         self._probe_step_s += time.perf_counter() - now
         self.probe_s += self._probe_step_s
         self.train_s += max(time.perf_counter() - self._batch_start - self._probe_step_s, 0.0)
@@ -220,14 +261,38 @@ class FP8Probe(Callback):
         self.sampled_steps.append(trainer.global_step - 1)  # (the step that just ran)
         self.next_sample_step = trainer.global_step + self._interval(self._probe_step_s)
 
+    def _update_verdicts(self, trainer: pl.Trainer) -> None:
+        """This rank's verdicts after a sample; a safe layer found bad by a re-check is said at once, on this rank."""
+        for fqn, before in self._local.items():
+            if before == UNSAFE:
+                continue
+            found = self._records[fqn].decision(self.tail, self.confidence)
+            self._local[fqn] = found.verdict
+            if before == SAFE and found.verdict == UNSAFE:
+                event = {"layer": fqn, "step": trainer.global_step - 1, "sqnr_db": found.bad_db, "rank": trainer.global_rank}
+                self.turned_unsafe.append(event)
+                warnings.warn(f"FP8Probe: {fqn}, safe until now, is unsafe: its re-checks found {found.bad_windows} "
+                              f"window(s) below {self.sqnr_threshold_db:g} dB, the last at step {event['step']} (rank "
+                              f"{trainer.global_rank}, {found.bad_db:.1f} dB).", stacklevel=2)
+        if trainer.is_global_zero and trainer.loggers:
+            counts = {f"fp8/{v}_layers": float(sum(x == v for x in self._local.values())) for v in (SAFE, UNSAFE, UNDECIDED)}
+            for logger in trainer.loggers:
+                logger.log_metrics(counts, step=trainer.global_step)
+
     def _interval(self, sample_cost_s: float) -> int:
-        """Steps to the next sample: at least ``every_n_steps``; enough that this sample's cost is ``max_overhead``
-        of the training between, and that the running total returns within budget."""
+        """Steps to the next sample: at least ``every_n_steps``; enough that a sample's cost is ``max_overhead`` of
+        the training between, and that the running total stays within budget.
+
+        A sample's cost is the median of the recent ones: a pause that lands in one (the host
+        descheduling the process, a GC) would otherwise stop sampling for a hundred times its
+        length. :attr:`overhead` still reports every second measured."""
+        self._sample_costs.append(sample_cost_s)
+        cost = statistics.median(self._sample_costs)
         step_s = self.train_s / max(self.train_steps, 1)
         if step_s <= 0:
             return self.every_n_steps
-        for_this = sample_cost_s / (self.max_overhead * step_s)
-        to_catch_up = (self.probe_s / self.max_overhead - self.train_s) / step_s
+        for_this = cost / (self.max_overhead * step_s)
+        to_catch_up = (self.samples_taken * cost / self.max_overhead - self.train_s) / step_s
         return max(self.every_n_steps, math.ceil(for_this), math.ceil(to_catch_up))
 
     @property
@@ -241,35 +306,65 @@ class FP8Probe(Callback):
         if not self._records:
             return
         vectors = [record.to_vector() for record in self._records.values()]
-        timing = [self.probe_s, self.train_s, float(self.samples_taken)]
+        timing = [self.probe_s, self.train_s, float(self.samples_taken), float(self.train_steps)]
         local = torch.tensor(vectors + [timing + [0.0] * (len(vectors[0]) - len(timing))], dtype=torch.float64)
         gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).cpu()  # the one collective
         if gathered.dim() == 2:  # a single process
             gathered = gathered.unsqueeze(0)
         combined = combine(self._records, gathered[:, :-1])
         per_rank = gathered[:, -1, :len(timing)]
-        self.results = self._results(combined)
         self._overheads = [float(p[0] / p[1]) if p[1] else 0.0 for p in per_rank]
+        steps_per_sample = max(float(p[3] / p[2]) if p[2] else float(p[3]) for p in per_rank)
+        self.results = self._results(combined, steps_per_sample)
         if trainer.is_global_zero:
-            self._publish(trainer, combined)
+            self._publish(trainer)
 
-    def _results(self, combined: dict[str, LayerRecord]) -> dict[str, dict[str, Any]]:
+    def _results(self, combined: dict[str, LayerRecord], steps_per_sample: float) -> dict[str, dict[str, Any]]:
         total_flops = sum(r.flops() for r in combined.values()) or 1.0
         results = {}
         for fqn in self._selected:
             record = combined[fqn]
-            summary = record.summary(self.sqnr_threshold_db, self.confidence)
+            summary = record.summary(self.tail, self.confidence)
             summary["eligible"] = eligible(self._layers[fqn], fqn, self.recipe)
             summary["flop_share"] = record.flops() / total_flops
-            summary["relative_error"] = max((g.get("rel_error") or 0.0) for g in summary["gemms"][self.recipe].values()) \
-                if summary["samples"] else None
+            rel = [g["rel_error_mean"] for g in summary["gemms"].values() if g.get("rel_error_mean") is not None]
+            summary["relative_error"] = max(rel) if rel else None
+            summary["turned_unsafe"] = summary["safe_at_window"] is not None and summary["unsafe_at_window"] is not None
+            summary["reason"] = self._reason(summary, steps_per_sample)
             results[fqn] = summary
         return results
+
+    def _reason(self, r: dict[str, Any], steps_per_sample: float) -> str:
+        """Why the verdict is what it is, in words a user can act on."""
+        measured = "+".join(r["measured_gemms"]) or "no GEMM"
+        below = f"{r['bad_windows']} of {r['samples']} windows below {self.sqnr_threshold_db:g} dB"
+        if r["verdict"] == UNSAFE:
+            step = r["unsafe_at_window"] * self.every_n_steps
+            after = (f"after being safe from step ~{r['safe_at_window'] * self.every_n_steps}, "
+                     if r["turned_unsafe"] else "")
+            return f"{after}{below}; decided at step ~{step} ({_num(r['deciding_sqnr_db'])} dB; {measured})"
+        if r["verdict"] == SAFE:
+            return f"{below}; worst {_num(r['sqnr_db_worst'])} dB ({measured})"
+        if not r["measured_gemms"]:
+            return "never measured: the layer did not run in a sampled training step"
+        missing = r["samples_needed"] - r["samples"]
+        correlated = (f"; windows are autocorrelated (rho {r['autocorrelation']:.2f}), each counts "
+                      f"{(1 - r['autocorrelation']) / (1 + r['autocorrelation']):.2f}" if r["autocorrelation"] else "")
+        return (f"{below}, {r['samples_needed']} needed{correlated}: the {self.max_overhead:.0%} budget bought a sample "
+                f"every ~{steps_per_sample:.0f} steps; ~{math.ceil(missing * steps_per_sample)} more steps, or a larger "
+                f"max_overhead, would decide it")
 
     def summary_line(self) -> str:
         chosen = [r for r in self.results.values() if r["verdict"] == SAFE and r["eligible"]]
         share = 100 * sum(r["flop_share"] for r in chosen)
-        return f"FP8-safe and eligible: {len(chosen)} of {len(self.results)} layers, {share:.1f}% of GEMM FLOPs"
+        line = f"FP8-safe and eligible: {len(chosen)} of {len(self.results)} layers, {share:.1f}% of GEMM FLOPs"
+        turned = [f for f, r in self.results.items() if r["turned_unsafe"]]
+        undecided = sum(r["verdict"] == UNDECIDED for r in self.results.values())
+        if turned:
+            line += f"; turned unsafe after being safe: {', '.join(turned)}"
+        if undecided:
+            line += f"; {undecided} undecided (why: fp8_probe.json)"
+        return line
 
     def module_filter_fn(self, require_eligible: bool = True) -> Callable[[nn.Module, str], bool]:
         """``(module, fqn) -> bool`` for torchao's ``convert_to_float8_training``: the layers found safe (and eligible).
@@ -285,76 +380,82 @@ class FP8Probe(Callback):
         return module_filter
 
     # ------------------------------------------------------------------ where the results go (rank zero)
-    def _publish(self, trainer: pl.Trainer, combined: dict[str, LayerRecord]) -> None:
+    def _publish(self, trainer: pl.Trainer) -> None:
         line = self.summary_line()
         self._print_table(line)
-        payload = {"recipe": self.recipe, "sqnr_threshold_db": self.sqnr_threshold_db, "confidence": self.confidence,
-                   "max_overhead": self.max_overhead, "overhead_per_rank": self._overheads,
-                   "samples_taken": self.samples_taken, "summary": line, "layers": self.results}
+        verdicts = [r["verdict"] for r in self.results.values()]
+        chosen = [r for r in self.results.values() if r["verdict"] == SAFE and r["eligible"]]
+        turned = sum(r["turned_unsafe"] for r in self.results.values())
+        payload = {"recipe": self.recipe, "sqnr_threshold_db": self.sqnr_threshold_db, "tail": self.tail,
+                   "confidence": self.confidence, "every_n_steps": self.every_n_steps, "max_overhead": self.max_overhead,
+                   "overhead_per_rank": self._overheads, "samples_taken": self.samples_taken, "summary": line,
+                   "layers": self.results}
         path = _run_dir(trainer) / RESULTS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
-        chosen = [r for r in self.results.values() if r["verdict"] == SAFE and r["eligible"]]
         get_timeline().fact(FP8_FACT, recipe=self.recipe, layers=len(self.results), safe_and_eligible=len(chosen),
-                            flop_share=sum(r["flop_share"] for r in chosen),
-                            unsafe=sum(r["verdict"] == "unsafe" for r in self.results.values()),
-                            undecided=sum(r["verdict"] == UNDECIDED for r in self.results.values()))
+                            flop_share=sum(r["flop_share"] for r in chosen), unsafe=verdicts.count(UNSAFE),
+                            undecided=verdicts.count(UNDECIDED), turned_unsafe=turned)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 columns, rows = self._table_rows()
                 logger.log_table(key="fp8/probe", columns=columns, data=rows)
                 logger.experiment.summary.update({"fp8/safe_and_eligible_layers": len(chosen), "fp8/layers": len(self.results),
-                                                  "fp8/safe_and_eligible_flop_share": sum(r["flop_share"] for r in chosen)})
+                                                  "fp8/safe_and_eligible_flop_share": sum(r["flop_share"] for r in chosen),
+                                                  "fp8/unsafe_layers": verdicts.count(UNSAFE),
+                                                  "fp8/turned_unsafe_layers": turned,
+                                                  "fp8/undecided_layers": verdicts.count(UNDECIDED)})
 
     def _table_rows(self) -> tuple[list[str], list[list[Any]]]:
-        columns = ["layer", "verdict", "eligible", "sqnr_db_mean", "sqnr_db_low", "sqnr_db_high", "samples", "flop_share",
-                   "M", "K", "N", "amax_input", "flushed_input"]
-        rows = [[fqn, r["verdict"], r["eligible"], r["sqnr_db_mean"], r["sqnr_db_low"], r["sqnr_db_high"], r["samples"],
-                 r["flop_share"], r["shape"]["M"], r["shape"]["K"], r["shape"]["N"], r["amax"]["input"],
-                 r["flushed_share"]["input"]] for fqn, r in self.results.items()]
+        quantile = f"sqnr_db_q{round(100 * self.tail)}"
+        columns = ["layer", "verdict", "eligible", quantile, "sqnr_db_worst", "samples", "samples_needed", "flop_share",
+                   "M", "K", "N", "measured_gemms", "amax_input", "flushed_input", "reason"]
+        rows = [[fqn, r["verdict"], r["eligible"], r[quantile], r["sqnr_db_worst"], r["samples"], r["samples_needed"],
+                 r["flop_share"], r["shape"]["M"], r["shape"]["K"], r["shape"]["N"], "+".join(r["measured_gemms"]),
+                 r["amax"]["input"], r["flushed_share"]["input"], r["reason"]] for fqn, r in self.results.items()]
         return columns, rows
 
     def _print_table(self, line: str) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"FP8Probe ({self.recipe}, threshold {self.sqnr_threshold_db:g} dB, {self.confidence:.0%} "
-                      f"confidence)")
-        table.add_column("layer", overflow="fold")
-        for column in ("verdict", "eligible", "SQNR dB [interval]", "samples", "FLOPs", "M×K×N", "flushed in"):
-            table.add_column(column, no_wrap=True)
+        table = Table(title=f"FP8Probe ({self.recipe}: {self.tail:.0%} of steps may fall below "
+                      f"{self.sqnr_threshold_db:g} dB, at {self.confidence:.0%} confidence)")
+        table.add_column("layer", no_wrap=True, min_width=min(max(map(len, self.results), default=5), 40))
+        for column in ("verdict", "eligible", f"SQNR q{round(100 * self.tail)}/worst dB", "windows", "FLOPs", "M×K×N"):
+            table.add_column(column, overflow="fold")
         style = {"safe": "green", "unsafe": "red", UNDECIDED: "yellow"}
+        quantile = f"sqnr_db_q{round(100 * self.tail)}"
         for fqn, r in self.results.items():
-            interval = (f"{r['sqnr_db_mean']:.1f} [{_num(r['sqnr_db_low'])}, {_num(r['sqnr_db_high'])}]"
-                        if r["sqnr_db_mean"] is not None else "—")
-            flushed = r["flushed_share"]["input"]
-            table.add_row(fqn, f"[{style[r['verdict']]}]{r['verdict']}[/]", "yes" if r["eligible"] else "no", interval,
-                          str(r["samples"]), f"{100 * r['flop_share']:.1f}%",
-                          f"{r['shape']['M']}×{r['shape']['K']}×{r['shape']['N']}",
-                          f"{100 * flushed:.1f}%" if flushed is not None else "—")
+            windows = f"{r['samples']}/{r['samples_needed']}" if r["samples_needed"] else str(r["samples"])
+            table.add_row(fqn, f"[{style[r['verdict']]}]{r['verdict']}[/]", "yes" if r["eligible"] else "no",
+                          f"{_num(r[quantile])} / {_num(r['sqnr_db_worst'])}", windows,
+                          f"{100 * r['flop_share']:.1f}%", f"{r['shape']['M']}×{r['shape']['K']}×{r['shape']['N']}")
         console = Console()
         console.print(table)
+        for fqn, r in self.results.items():
+            console.print(f"  {fqn}: {r['verdict']}: {r['reason']}", highlight=False)
         console.print(line)
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"records": {f: r.to_vector() for f, r in self._records.items()},
-                "kernels": {f: r.kernel for f, r in self._records.items()}, "next_sample_step": self.next_sample_step,
-                "probe_s": self.probe_s, "train_s": self.train_s, "train_steps": self.train_steps,
-                "samples_taken": self.samples_taken}
+        return {"records": {f: r.to_vector() for f, r in self._records.items()}, "next_sample_step": self.next_sample_step,
+                "opportunities": self.opportunities, "probe_s": self.probe_s, "train_s": self.train_s,
+                "train_steps": self.train_steps, "samples_taken": self.samples_taken}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.next_sample_step = int(state_dict.get("next_sample_step", self.every_n_steps))
+        self.opportunities = int(state_dict.get("opportunities", 0))
         self.probe_s = float(state_dict.get("probe_s", 0.0))
         self.train_s = float(state_dict.get("train_s", 0.0))
         self.train_steps = int(state_dict.get("train_steps", 0))
         self.samples_taken = int(state_dict.get("samples_taken", 0))
-        self._restored = state_dict  # the sums: applied on rank 0 only, at train start
+        self._restored = state_dict  # the windows: applied on rank 0 only, at train start
 
 
-def _validate(every_n_steps: Any, threshold: Any, confidence: Any, max_overhead: Any, recipe: Any) -> None:
+def _validate(every_n_steps: Any, threshold: Any, tail: Any, confidence: Any, max_overhead: Any, recipe: Any) -> None:
     def number(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -363,6 +464,9 @@ def _validate(every_n_steps: Any, threshold: Any, confidence: Any, max_overhead:
     if not number(threshold) or not 0 < threshold < 100:
         raise ConfigurationError(f"FP8Probe(sqnr_threshold_db={threshold!r}): expected a number of dB in (0, 100), e.g. "
                                  f"{DEFAULT_SQNR_THRESHOLD_DB:g} (an RMS error of 10% of the GEMM's output).")
+    if not number(tail) or not 0 < tail < 1:
+        raise ConfigurationError(f"FP8Probe(tail={tail!r}): expected the share of steps allowed below the threshold, "
+                                 "strictly between 0 and 1, e.g. 0.1.")
     if not number(confidence) or not 0 < confidence < 1:
         raise ConfigurationError(
             f"FP8Probe(confidence={confidence!r}): expected a probability strictly between 0 and 1, e.g. 0.95.")

@@ -8,11 +8,16 @@ scaling granularity: torchao's ``Float8LinearConfig.from_recipe_name`` is read, 
   reduction dimension is scaled per slice), every operand in e4m3 (torchao's choice for this
   recipe, gradients included), scales rounded down to powers of two.
 
-Scales and casts are torchao's (``tensor_to_scale``, ``to_fp8_saturated``). The GEMM runs
-as ``torch._scaled_mm`` where the backend has it for the shape (CPU in torch 2.13: every shape;
-CUDA: dimensions divisible by 16 on FP8-capable GPUs); elsewhere as the exact emulation —
-dequantize each operand (FP8 value / scale, in float32) and multiply in float32 — which is
-what the FP8 kernel computes up to float32 accumulation order.
+Scales and casts are torchao's (``amax_to_scale``, ``to_fp8_saturated``); the amax is taken with
+``torch.aminmax``, which reads the tensor where it is (torchao's ``abs().max()`` makes a copy of
+it first), so a sample costs no full-size copy of an activation. On CUDA the GEMM runs
+as ``torch._scaled_mm`` where the GPU has FP8 and the shape fits (dimensions divisible by 16),
+with ``use_fast_accum`` as torchao's config sets it per GEMM (on for the output GEMM); elsewhere
+(CPU included, see :func:`_scaled_mm_fits`) as the exact emulation — dequantize
+each operand (FP8 value / scale, in float32) and multiply in float32 — which is what the FP8
+kernel computes up to accumulation order (and so cannot show fast accumulation's own error,
+which on Hopper grows with K). The product is rounded to the layer's compute dtype, as
+torchao's ``Float8Linear`` returns it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from enum import Enum
 
 import torch
 from torchao.float8.config import Float8LinearConfig, ScalingGranularity
-from torchao.float8.float8_utils import compute_error, tensor_to_scale, to_fp8_saturated
+from torchao.float8.float8_utils import amax_to_scale, compute_error, to_fp8_saturated
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -44,10 +49,11 @@ class Operand:
 
 @dataclass(frozen=True)
 class Recipe:
-    """For each GEMM, how its left and right operands are cast."""
+    """For each GEMM, how its left and right operands are cast, and whether its kernel accumulates fast."""
 
     name: str
     operands: dict[Gemm, tuple[Operand, Operand]]
+    fast_accum: dict[Gemm, bool]
 
     @classmethod
     def from_torchao(cls, name: str) -> Recipe:
@@ -64,7 +70,10 @@ class Recipe:
         w_gi = config.cast_config_weight_for_grad_input
         dy_gw = config.cast_config_grad_output_for_grad_weight
         return cls(name, {Gemm.OUTPUT: (operand(x), operand(w)), Gemm.GRAD_INPUT: (operand(dy), operand(w_gi)),
-                          Gemm.GRAD_WEIGHT: (operand(dy_gw), operand(x_gw))})
+                          Gemm.GRAD_WEIGHT: (operand(dy_gw), operand(x_gw))},
+                   {Gemm.OUTPUT: config.gemm_config_output.use_fast_accum,
+                    Gemm.GRAD_INPUT: config.gemm_config_grad_input.use_fast_accum,
+                    Gemm.GRAD_WEIGHT: config.gemm_config_grad_weight.use_fast_accum})
 
 
 @dataclass(frozen=True)
@@ -80,63 +89,69 @@ class Cast:
         return self.data.float() / self.scale
 
 
-@dataclass(frozen=True)
-class Rows:
-    """A sample of a GEMM's M dimension (the rows of its activations), to bound what a measurement costs."""
+def amax(tensor: torch.Tensor, operand: Operand, reduction_dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The amax ``operand``'s scale is computed from (per slice along ``reduction_dim`` when axiswise), in float32.
 
-    index: torch.Tensor
-    of: int  # M
+    ``torch.aminmax`` reads ``tensor`` in place. ``dtype``: the dtype the GEMM really reads
+    ``tensor`` in (autocast's); the amax is rounded to it, as the amax of the rounded tensor
+    (rounding is monotonic), and only then widened.
+    """
+    if operand.axiswise:
+        low, high = torch.aminmax(tensor, dim=reduction_dim, keepdim=True)
+    else:
+        low, high = torch.aminmax(tensor)
+    return torch.maximum(low.abs(), high.abs()).to(dtype or tensor.dtype).float()
 
 
-def cast(tensor: torch.Tensor, operand: Operand, reduction_dim: int, rows: Rows | None = None, m_dim: int | None = None,
+def cast(tensor: torch.Tensor, operand: Operand, reduction_dim: int, of: torch.Tensor | None = None,
          losses: bool = False) -> Cast:
     """``tensor`` (a GEMM operand reduced along ``reduction_dim``) in FP8, as torchao casts it.
 
-    With ``rows``, only those rows along ``m_dim`` are cast, with the scale computed from the
-    whole tensor, as the real cast would (a per-row scale of the sampled rows, a per-tensor or
-    per-column scale over every row). ``losses`` counts the saturated and flushed shares.
+    ``of``: the amax to scale by when ``tensor`` is a sample of the rows of the real operand
+    (the scale of a per-tensor or per-column cast comes from every row, not only the sampled
+    ones); by default, ``tensor``'s own. ``losses`` counts the saturated and flushed shares.
     """
-    hp = tensor.float()
-    granularity = ScalingGranularity.AXISWISE if operand.axiswise else ScalingGranularity.TENSORWISE
-    scale = tensor_to_scale(hp, operand.dtype, scaling_granularity=granularity,
-                            axiswise_dim=reduction_dim if operand.axiswise else None,
-                            round_scales_to_power_of_2=operand.power_of_2)
-    if rows is not None and m_dim is not None:
-        hp = hp.index_select(m_dim, rows.index)
-        if scale.dim() and scale.shape[m_dim] == rows.of:
-            scale = scale.index_select(m_dim, rows.index)
-    scaled = hp * scale
+    scale = amax_to_scale(amax(tensor, operand, reduction_dim) if of is None else of, operand.dtype,
+                          round_scales_to_power_of_2=operand.power_of_2)
+    scaled = tensor.float() * scale
     data = to_fp8_saturated(scaled, operand.dtype)
     if not losses:
         return Cast(data, scale)
-    numel = max(hp.numel(), 1)
-    saturated = float((scaled.abs() >= torch.finfo(operand.dtype).max).sum()) / numel
-    flushed = float(((hp != 0) & (data.float() == 0)).sum()) / numel
+    numel = max(scaled.numel(), 1)
+    magnitude = scaled.abs()
+    finfo = torch.finfo(operand.dtype)
+    saturated = float(torch.count_nonzero(magnitude >= finfo.max)) / numel
+    # round-to-nearest-even sends (0, half the smallest subnormal] to zero: the non-zero values the cast flushed
+    half_subnormal = finfo.tiny * finfo.eps / 2
+    flushed = float(torch.count_nonzero((magnitude <= half_subnormal) & (magnitude > 0))) / numel
     return Cast(data, scale, saturated, flushed)
 
 
 def _scaled_mm_fits(a: Cast, b: Cast) -> bool:
-    if a.data.device.type == "cpu":
-        return True
+    """CUDA only: there ``_scaled_mm`` is the FP8 kernel. torch's CPU ``_scaled_mm`` is a reference implementation
+    of the emulation's arithmetic (dequantize, float32 GEMM) at ~10x its cost; both give the same numbers
+    (``tests/test_fp8_probe.py`` checks it), so on CPU the probe emulates."""
     return a.data.device.type == "cuda" and all(d % 16 == 0 for d in (*a.data.shape, b.data.shape[1]))
 
 
-def matmul(ca: Cast, cb: Cast) -> tuple[torch.Tensor, str]:
-    """The FP8 product of two casts in float32, and which kernel computed it."""
+def matmul(ca: Cast, cb: Cast, out_dtype: torch.dtype = torch.float32, use_fast_accum: bool = False
+           ) -> tuple[torch.Tensor, str]:
+    """The FP8 product of two casts in ``out_dtype``, and which kernel computed it."""
     if _scaled_mm_fits(ca, cb):
         try:
             out = torch._scaled_mm(ca.data.contiguous(), cb.data.t().contiguous().t(), scale_a=ca.scale.reciprocal(),
-                                   scale_b=cb.scale.reciprocal(), out_dtype=torch.float32)
+                                   scale_b=cb.scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=use_fast_accum)
             return out, "scaled_mm"
         except (RuntimeError, NotImplementedError):
             pass  # this backend lacks the kernel for these dtypes or layouts: the exact emulation below
-    return ca.dequantized() @ cb.dequantized(), "emulated"
+    return (ca.dequantized() @ cb.dequantized()).to(out_dtype), "emulated"
 
 
-def fp8_mm(a: torch.Tensor, b: torch.Tensor, recipe: Recipe, gemm: Gemm) -> torch.Tensor:
-    """``a @ b`` (``a``: [M, K], ``b``: [K, N]) in float32 with both operands in FP8 as ``recipe`` casts them for ``gemm``."""
+def fp8_mm(a: torch.Tensor, b: torch.Tensor, recipe: Recipe, gemm: Gemm, out_dtype: torch.dtype = torch.float32
+           ) -> torch.Tensor:
+    """``a @ b`` (``a``: [M, K], ``b``: [K, N]) with both operands in FP8 as ``recipe`` casts them for ``gemm``."""
     left, right = recipe.operands[gemm]
-    out, _ = matmul(cast(a, left, reduction_dim=-1), cast(b, right, reduction_dim=0))
+    out, _ = matmul(cast(a, left, reduction_dim=-1), cast(b, right, reduction_dim=0), out_dtype, recipe.fast_accum[gemm])
     return out
 
 

@@ -24,10 +24,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, recipe: Recipe) -> torch.Tensor:  # type: ignore[override]
         rows = x.reshape(-1, x.shape[-1])
-        out = fp8_mm(rows, weight.t(), recipe, Gemm.OUTPUT)
+        out = fp8_mm(rows, weight.t(), recipe, Gemm.OUTPUT, x.dtype)
         ctx.save_for_backward(rows, weight)
         ctx.recipe, ctx.input_shape = recipe, x.shape
-        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -35,11 +35,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_input = fp8_mm(grad_rows, weight, ctx.recipe, Gemm.GRAD_INPUT)
-            grad_input = grad_input.to(grad_out.dtype).reshape(ctx.input_shape)
+            grad_input = fp8_mm(grad_rows, weight, ctx.recipe, Gemm.GRAD_INPUT, grad_out.dtype).reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = fp8_mm(grad_rows.t(), rows, ctx.recipe, Gemm.GRAD_WEIGHT)
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = fp8_mm(grad_rows.t(), rows, ctx.recipe, Gemm.GRAD_WEIGHT, weight.dtype)
         return grad_input, grad_weight, None
 
 

@@ -1,146 +1,223 @@
-"""What one sample of a Linear layer says about FP8, and a layer's record of its samples.
+"""What one sampled step says about a Linear layer in FP8, and a layer's record of its windows.
 
-:func:`measure` takes a step's real operands — the layer's input rows, its weight, and the
-gradient of its output — computes each of the three GEMMs in the layer's own precision and in
-FP8 under every recipe, and returns the SQNRs and relative errors, the amaxes, and the shares
-of values saturated and flushed to zero by the casts. :class:`LayerRecord` accumulates these
-per layer as sums (and maxima) in a flat vector, so that every rank's records combine with one
-all-gather at the end of fit (:func:`combine`). No Lightning here: the callback
-(:class:`lightning_ett.callbacks.FP8Probe`) decides when to sample and where results go.
+A sampled step measures the GEMMs the layer really runs: the output GEMM in its forward (so a
+frozen layer, whose backward hook never fires, is measured too), and in backward the
+grad-input GEMM when its input needs a gradient and the grad-weight GEMM when its weight
+does. Each is computed as the layer computes it today — in autocast's dtype under mixed
+precision, in the parameters' dtype otherwise (:func:`compute_dtype`) — and in FP8 as the
+verdict recipe casts it (:mod:`lightning_ett.fp8.cast`), and compared by SQNR.
+
+Memory is bounded by ``max_rows``: the forward keeps that many sampled rows of the input (in
+the compute dtype) and the amaxes the real casts take over every row, not the activation.
+
+:class:`LayerRecord` keeps, per layer on this rank, the worst SQNR of each sampled window (the
+verdict's observations: :mod:`lightning_ett.fp8.stats`) and the report's sums, as one flat
+vector, so that every rank's records combine with one all-gather at the end of fit
+(:func:`combine`). No Lightning here: the callback (:class:`lightning_ett.callbacks.FP8Probe`)
+decides when to sample and where results go.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from lightning_ett.fp8.cast import RECIPES, Gemm, Recipe, Rows, cast, matmul, relative_error, sqnr_db
+from lightning_ett.fp8.cast import Gemm, Recipe, amax, cast, matmul, relative_error, sqnr_db
 from lightning_ett.fp8.eligible import gemm_flops
-from lightning_ett.fp8.stats import RunningStats
+from lightning_ett.fp8.stats import Decision, RunningStats, decide
 
 OPERANDS = ("input", "weight", "grad_output")
-_KEEP_SAMPLES = 1000  # per layer, on each rank: the raw verdict samples (for the report and for checks)
+KERNELS = ("scaled_mm", "emulated")
+MAX_WINDOWS = 256  # per layer and rank: the windows kept one by one; later good ones are only counted
+
+
+def compute_dtype(x: torch.Tensor, output: torch.Tensor) -> torch.dtype:
+    """The dtype a Linear's GEMM ran in: autocast's where it is on for the input's device, else the output's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return output.dtype
 
 
 @dataclass(frozen=True)
-class Measurement:
-    sqnr: dict[tuple[str, Gemm], float]
-    rel_error: dict[tuple[str, Gemm], float]
-    amax: dict[str, float]
-    saturated: dict[str, float]  # per operand, under the verdict recipe's forward (input, weight) and grad-input casts
-    flushed: dict[str, float]
+class GemmResult:
+    gemm: Gemm
+    sqnr: float
     kernel: str
+    saturated: dict[str, float]  # per operand it casts (the verdict recipe's losses)
+    flushed: dict[str, float]
 
-    def worst_db(self, recipe: str) -> float:
-        return min(self.sqnr[(recipe, gemm)] for gemm in Gemm)
+
+@dataclass(frozen=True)
+class ForwardSample:
+    """What a sampled forward keeps for the backward GEMMs: sampled input rows and the whole input's amaxes."""
+
+    dtype: torch.dtype
+    rows: torch.Tensor | None  # the sampled row indices (None: every row)
+    x: torch.Tensor  # [m, K] in ``dtype``
+    x_amax: torch.Tensor | None  # the whole input's amax for the output GEMM's cast (None: per-row, from ``x``)
+    x_amax_grad_weight: torch.Tensor  # ... for the grad-weight GEMM's cast (reduced along M: every row counts)
+    weight: torch.Tensor  # [N, K] in ``dtype``
 
 
 @torch.no_grad()
-def measure(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, verdict_recipe: str, max_rows: int | None = None,
-            generator: torch.Generator | None = None) -> Measurement:
-    """``x``: [M, K] input rows, ``weight``: [N, K], ``grad_out``: [M, N]; the references in their own dtype.
-
-    With ``max_rows`` below M, each GEMM is measured on that many randomly chosen rows (the scales
-    still come from all M rows, as the real casts' do), so a sample costs the same at any batch size.
-    """
+def sample_forward(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, recipe: Recipe, max_rows: int | None,
+                   generator: torch.Generator) -> ForwardSample:
+    """``x``: the layer's input as [M, K] rows; ``max_rows`` of them are kept, chosen at random."""
     m = x.shape[0]
-    pick = torch.randperm(m, generator=generator)[:max_rows].sort().values if max_rows and m > max_rows else None
-    rows = Rows(pick.to(x.device), m) if pick is not None else None  # (the generator is a CPU one)
-
-    def sampled(t: torch.Tensor, m_dim: int | None) -> torch.Tensor:
-        return t.index_select(m_dim, rows.index) if rows is not None and m_dim is not None else t
-
-    # per GEMM: (left operand, its M dim), (right operand, its M dim); each reduced along its inner dimension
-    operands = {Gemm.OUTPUT: ((x, 0), (weight.t(), None)), Gemm.GRAD_INPUT: ((grad_out, 0), (weight, None)),
-                Gemm.GRAD_WEIGHT: ((grad_out.t(), 1), (x, 0))}
-    references = {g: sampled(a, ma) @ sampled(b, mb) for g, ((a, ma), (b, mb)) in operands.items()}
-    sqnr, rel, kernel = {}, {}, "emulated"
-    saturated: dict[str, float] = {}
-    flushed: dict[str, float] = {}
-    for name in RECIPES:
-        recipe = Recipe.from_torchao(name)
-        for gemm, ((a, ma), (b, mb)) in operands.items():
-            left, right = recipe.operands[gemm]
-            losses = name == verdict_recipe and gemm in (Gemm.OUTPUT, Gemm.GRAD_INPUT)
-            ca = cast(a, left, reduction_dim=-1, rows=rows, m_dim=ma, losses=losses)
-            cb = cast(b, right, reduction_dim=0, rows=rows, m_dim=mb, losses=losses and gemm is Gemm.OUTPUT)
-            approx, kernel = matmul(ca, cb)
-            sqnr[(name, gemm)] = sqnr_db(references[gemm], approx)
-            rel[(name, gemm)] = relative_error(sqnr[(name, gemm)])
-            if losses and gemm is Gemm.OUTPUT:
-                saturated.update(input=ca.saturated, weight=cb.saturated)
-                flushed.update(input=ca.flushed, weight=cb.flushed)
-            elif losses:
-                saturated["grad_output"], flushed["grad_output"] = ca.saturated, ca.flushed
-    amax = {"input": float(x.abs().max()), "weight": float(weight.abs().max()), "grad_output": float(grad_out.abs().max())}
-    return Measurement(sqnr, rel, amax, saturated, flushed, kernel)
+    rows = None
+    if max_rows and m > max_rows:
+        rows = torch.randperm(m, generator=generator)[:max_rows].sort().values.to(x.device)  # (a CPU generator)
+    x_left = recipe.operands[Gemm.OUTPUT][0]
+    x_right = recipe.operands[Gemm.GRAD_WEIGHT][1]
+    kept = (x if rows is None else x.index_select(0, rows)).to(dtype)
+    return ForwardSample(dtype, rows, kept, None if x_left.axiswise else amax(x, x_left, -1, dtype),
+                         amax(x, x_right, 0, dtype), weight.to(dtype))
 
 
+def _measure(gemm: Gemm, recipe: Recipe, a: torch.Tensor, b: torch.Tensor, a_amax: torch.Tensor | None,
+             b_amax: torch.Tensor | None, dtype: torch.dtype, names: tuple[str | None, str | None]) -> GemmResult:
+    left, right = recipe.operands[gemm]
+    reference = a @ b
+    ca = cast(a, left, -1, a_amax, losses=names[0] is not None)
+    cb = cast(b, right, 0, b_amax, losses=names[1] is not None)
+    approx, kernel = matmul(ca, cb, dtype, recipe.fast_accum[gemm])
+    saturated = {n: c.saturated for n, c in zip(names, (ca, cb)) if n is not None and c.saturated is not None}
+    flushed = {n: c.flushed for n, c in zip(names, (ca, cb)) if n is not None and c.flushed is not None}
+    return GemmResult(gemm, sqnr_db(reference, approx), kernel, saturated, flushed)
+
+
+@torch.no_grad()
+def measure_output(sample: ForwardSample, recipe: Recipe) -> GemmResult:
+    """The forward GEMM ``x @ Wᵀ`` of the sampled rows, in the compute dtype and in FP8."""
+    with torch.autocast(sample.x.device.type, enabled=False):  # (forward hooks run inside the autocast region)
+        return _measure(Gemm.OUTPUT, recipe, sample.x, sample.weight.t(), sample.x_amax, None, sample.dtype,
+                        ("input", "weight"))
+
+
+@torch.no_grad()
+def measure_backward(sample: ForwardSample, grad_out: torch.Tensor, recipe: Recipe, grad_input: bool,
+                     grad_weight: bool) -> list[GemmResult]:
+    """``grad_out``: [M, N], the gradient of the layer's output; the backward GEMMs the layer runs, on the sampled rows."""
+    dy_full = grad_out.to(sample.dtype) if grad_out.dtype != sample.dtype else grad_out
+    dy = dy_full if sample.rows is None else dy_full.index_select(0, sample.rows)
+    results = []
+    with torch.autocast(dy.device.type, enabled=False):
+        if grad_input:  # dy @ W: dy per row (reduced along N) or per tensor
+            left = recipe.operands[Gemm.GRAD_INPUT][0]
+            results.append(_measure(Gemm.GRAD_INPUT, recipe, dy, sample.weight, None if left.axiswise else
+                                    amax(dy_full, left, -1), None, sample.dtype, ("grad_output", None)))
+        if grad_weight:  # dyᵀ @ x, reduced along M: both scales from every row
+            left = recipe.operands[Gemm.GRAD_WEIGHT][0]
+            dy_amax = amax(dy_full, left, 0)
+            results.append(_measure(Gemm.GRAD_WEIGHT, recipe, dy.t(), sample.x, dy_amax.t() if left.axiswise else dy_amax,
+                                    sample.x_amax_grad_weight, sample.dtype, (None, None)))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- per-layer record
 @dataclass
 class LayerRecord:
-    """One layer's samples on this rank: the verdict statistic and the report's sums, as one flat vector."""
+    """One layer's observations on this rank: the worst SQNR per window, and the report's sums, as one flat vector."""
 
     fqn: str
     in_features: int
     out_features: int
-    verdict: RunningStats = field(default_factory=RunningStats)
-    gemms: dict[str, RunningStats] = field(default_factory=dict)  # "<recipe>/<gemm>/<sqnr_db|rel_error>"
-    casts: dict[str, float] = field(default_factory=dict)  # "<saturated|flushed>/<operand>" sums over samples
+    threshold_db: float
+    windows: dict[int, float] = field(default_factory=dict)  # window -> worst SQNR (dB) measured in it
+    late_good: float = 0.0  # good windows past MAX_WINDOWS: counted only
+    late_bad: tuple[float, float] = (math.inf, math.inf)  # the first bad window past MAX_WINDOWS, and its SQNR
+    gemms: dict[str, RunningStats] = field(default_factory=dict)  # "<gemm>/<sqnr_db|rel_error>"
+    kernels: dict[str, set[str]] = field(default_factory=dict)  # gemm -> the kernels that computed it
+    casts: dict[str, RunningStats] = field(default_factory=dict)  # "<saturated|flushed>/<operand>"
     amax: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPERANDS, 0.0))
     rows: float = 0.0  # input rows seen, summed over forward passes observed (for the GEMM shape and FLOPs)
     passes: float = 0.0
-    kernel: str = ""
-    samples: deque[float] = field(default_factory=lambda: deque(maxlen=_KEEP_SAMPLES))
-
-    def add(self, m: Measurement, verdict_recipe: str) -> None:
-        worst = m.worst_db(verdict_recipe)
-        self.verdict.add(worst)
-        if math.isfinite(worst):
-            self.samples.append(worst)
-        for (recipe, gemm), value in m.sqnr.items():
-            self.gemms.setdefault(f"{recipe}/{gemm.value}/sqnr_db", RunningStats()).add(value)
-            self.gemms.setdefault(f"{recipe}/{gemm.value}/rel_error", RunningStats()).add(m.rel_error[(recipe, gemm)])
-        for kind, values in (("saturated", m.saturated), ("flushed", m.flushed)):
-            for operand, share in values.items():
-                self.casts[f"{kind}/{operand}"] = self.casts.get(f"{kind}/{operand}", 0.0) + share
-        for operand, value in m.amax.items():
-            self.amax[operand] = max(self.amax[operand], value)
-        self.kernel = m.kernel
 
     def observe_rows(self, rows: int) -> None:
         self.rows += rows
         self.passes += 1
 
+    def observe_amax(self, operand: str, tensor: torch.Tensor) -> None:
+        low, high = torch.aminmax(tensor.detach())
+        self.amax[operand] = max(self.amax[operand], float(max(-low, high)))
+
+    def add(self, window: int, result: GemmResult) -> None:
+        """One measured GEMM of the sample in ``window``: the window's observation is its worst GEMM."""
+        self._observe(window, result.sqnr)
+        for metric, value in (("sqnr_db", result.sqnr), ("rel_error", relative_error(result.sqnr))):
+            self.gemms.setdefault(f"{result.gemm.value}/{metric}", RunningStats()).add(value)
+        self.kernels.setdefault(result.gemm.value, set()).add(result.kernel)
+        for kind, values in (("saturated", result.saturated), ("flushed", result.flushed)):
+            for operand, share in values.items():
+                self.casts.setdefault(f"{kind}/{operand}", RunningStats()).add(share)
+
+    def _observe(self, window: int, value: float) -> None:
+        if window in self.windows:
+            self.windows[window] = min(self.windows[window], value)
+        elif len(self.windows) < MAX_WINDOWS:
+            self.windows[window] = value
+        elif value < self.threshold_db:
+            self.late_bad = min(self.late_bad, (float(window), value))
+        else:
+            self.late_good += 1
+
+    def decision(self, tail: float, confidence: float) -> Decision:
+        series = sorted(self.windows.items())
+        if math.isfinite(self.late_bad[0]):
+            series.append((int(self.late_bad[0]), self.late_bad[1]))
+        found = decide(series, self.threshold_db, tail, confidence)
+        if self.late_good:
+            found = replace(found, windows=found.windows + int(self.late_good))
+        return found
+
     # ---------------------------------------------------------------- the flat vector ranks exchange
     def to_vector(self) -> list[float]:
-        out = list(self.verdict.to_list())
+        out: list[float] = []
         for key in _gemm_keys():
             out += self.gemms.get(key, RunningStats()).to_list()
-        out += [self.casts.get(key, 0.0) for key in _cast_keys()]
-        out += [self.amax[o] for o in OPERANDS] + [self.rows, self.passes]
+        for gemm in Gemm:
+            out.append(float(sum(1 << i for i, k in enumerate(KERNELS) if k in self.kernels.get(gemm.value, ()))))
+        for key in _cast_keys():
+            out += self.casts.get(key, RunningStats()).to_list()
+        out += [self.amax[o] for o in OPERANDS] + [self.rows, self.passes, self.late_good, *self.late_bad]
+        pairs = sorted(self.windows.items())
+        for i in range(MAX_WINDOWS):
+            out += [float(pairs[i][0]), pairs[i][1]] if i < len(pairs) else [math.nan, math.nan]
         return out
 
     @classmethod
-    def from_vectors(cls, fqn: str, in_features: int, out_features: int, vectors: list[list[float]],
-                     kernel: str = "") -> LayerRecord:
-        """Combine ranks: sums add, amaxes take the maximum."""
-        record = cls(fqn, in_features, out_features, kernel=kernel)
+    def from_vectors(cls, fqn: str, in_features: int, out_features: int, threshold_db: float,
+                     vectors: list[list[float]]) -> LayerRecord:
+        """Combine ranks: sums add, amaxes take the maximum, a window seen on several ranks is one, at its worst."""
+        record = cls(fqn, in_features, out_features, threshold_db)
         for vector in vectors:
             values = iter(vector)
-            record.verdict = record.verdict.merge(RunningStats.from_list([next(values) for _ in range(3)]))
             for key in _gemm_keys():
                 stats = RunningStats.from_list([next(values) for _ in range(3)])
                 record.gemms[key] = record.gemms.get(key, RunningStats()).merge(stats)
+            for gemm in Gemm:
+                mask = int(next(values))
+                kernels = {k for i, k in enumerate(KERNELS) if mask & (1 << i)}
+                if kernels:
+                    record.kernels.setdefault(gemm.value, set()).update(kernels)
             for key in _cast_keys():
-                record.casts[key] = record.casts.get(key, 0.0) + next(values)
+                stats = RunningStats.from_list([next(values) for _ in range(3)])
+                record.casts[key] = record.casts.get(key, RunningStats()).merge(stats)
             for operand in OPERANDS:
                 record.amax[operand] = max(record.amax[operand], next(values))
             record.rows += next(values)
             record.passes += next(values)
+            record.late_good += next(values)
+            late_bad = (next(values), next(values))
+            record.late_bad = min(record.late_bad, late_bad)
+            for _ in range(MAX_WINDOWS):
+                window, value = next(values), next(values)
+                if not math.isnan(window):
+                    record._observe(int(window), value)
         return record
 
     # ---------------------------------------------------------------- what the report says
@@ -151,37 +228,49 @@ class LayerRecord:
     def flops(self) -> float:
         return gemm_flops(self.mean_rows, self.in_features, self.out_features)
 
-    def summary(self, threshold_db: float, confidence: float) -> dict[str, Any]:
-        low, high = self.verdict.bounds(confidence)
-        count = self.verdict.count
-        gemms: dict[str, dict[str, dict[str, float]]] = {}
+    def measured(self) -> list[str]:
+        """The GEMMs measured at least once (a frozen layer's forward only; no grad-input GEMM for a first layer)."""
+        return [g.value for g in Gemm if self.gemms.get(f"{g.value}/sqnr_db", RunningStats()).count]
+
+    def summary(self, tail: float, confidence: float) -> dict[str, Any]:
+        found = self.decision(tail, confidence)
+        gemms: dict[str, dict[str, Any]] = {}
         for key, stats in self.gemms.items():
-            recipe, gemm, metric = key.split("/")
-            gemms.setdefault(recipe, {}).setdefault(gemm, {})[metric] = _finite(stats.mean)
+            gemm, metric = key.split("/")
+            gemms.setdefault(gemm, {})[f"{metric}_mean"] = _finite(stats.mean)
+        for gemm, kernels in self.kernels.items():
+            gemms.setdefault(gemm, {})["kernel"] = "+".join(sorted(kernels))
+
+        def share(kind: str, operand: str) -> float | None:
+            stats = self.casts.get(f"{kind}/{operand}")
+            return stats.mean if stats and stats.count else None
+
         return {
-            "verdict": self.verdict.verdict(threshold_db, confidence),
-            "sqnr_db_mean": _finite(self.verdict.mean), "sqnr_db_low": _finite(low), "sqnr_db_high": _finite(high),
-            "samples": int(count),
+            "verdict": found.verdict,
+            "samples": found.windows, "samples_needed": found.needed, "autocorrelation": round(found.rho, 3),
+            "safe_at_window": found.safe_at, "unsafe_at_window": found.unsafe_at, "bad_windows": found.bad_windows,
+            "deciding_sqnr_db": _finite(found.bad_db),
+            "sqnr_db_worst": _finite(found.worst_db), f"sqnr_db_q{round(100 * tail)}": _finite(found.quantile_db),
+            "measured_gemms": self.measured(),
             "shape": {"M": round(self.mean_rows), "K": self.in_features, "N": self.out_features},
             "gemms": gemms,
             "amax": dict(self.amax),
-            "saturated_share": {o: self.casts.get(f"saturated/{o}", 0.0) / count if count else None for o in OPERANDS},
-            "flushed_share": {o: self.casts.get(f"flushed/{o}", 0.0) / count if count else None for o in OPERANDS},
-            "kernel": self.kernel or None,
+            "saturated_share": {o: share("saturated", o) for o in OPERANDS},
+            "flushed_share": {o: share("flushed", o) for o in OPERANDS},
         }
 
 
 def _gemm_keys() -> list[str]:
-    return [f"{recipe}/{gemm.value}/{metric}" for recipe in RECIPES for gemm in Gemm for metric in ("sqnr_db", "rel_error")]
+    return [f"{gemm.value}/{metric}" for gemm in Gemm for metric in ("sqnr_db", "rel_error")]
 
 
 def _cast_keys() -> list[str]:
     return [f"{kind}/{operand}" for kind in ("saturated", "flushed") for operand in OPERANDS]
 
 
-def _finite(value: float) -> float | None:
+def _finite(value: float | None) -> float | None:
     """JSON has no inf or nan: an unbounded or undefined figure is ``None``."""
-    return value if math.isfinite(value) else None
+    return value if value is not None and math.isfinite(value) else None
 
 
 def combine(records: dict[str, LayerRecord], gathered: torch.Tensor) -> dict[str, LayerRecord]:
@@ -189,5 +278,6 @@ def combine(records: dict[str, LayerRecord], gathered: torch.Tensor) -> dict[str
     combined = {}
     for i, (fqn, record) in enumerate(records.items()):
         vectors = [gathered[r, i].tolist() for r in range(gathered.shape[0])]
-        combined[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, vectors, record.kernel)
+        combined[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, record.threshold_db,
+                                                 vectors)
     return combined

@@ -141,8 +141,9 @@ def _fact_lines(summary: Summary) -> list[str]:
     if fp8:
         f = fp8[-1]
         lines.append(f"FP8-safe and eligible ({f['recipe']}): {f['safe_and_eligible']} of {f['layers']} layers, "
-                     f"{100 * f['flop_share']:.1f}% of GEMM FLOPs ({f['unsafe']} unsafe, {f['undecided']} undecided; "
-                     f"FP8Probe)")
+                     f"{100 * f['flop_share']:.1f}% of GEMM FLOPs ({f['unsafe']} unsafe"
+                     + (f", {f['turned_unsafe']} of them after being safe" if f.get("turned_unsafe") else "")
+                     + f", {f['undecided']} undecided; FP8Probe, fp8_probe.json)")
     straggler = straggler_line(summary.stragglers)
     if straggler:
         lines.append(straggler)

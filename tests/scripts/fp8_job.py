@@ -3,16 +3,19 @@
 Modes (each writes OUT/result.json, or OUT/rank<r>.json with several ranks):
 
 * ``probe``: ``--model`` (the planted-outlier MLP of examples/fp8_outliers.py, or the example DLRM
-  in one process) trained with ``FP8Probe`` for ``--steps`` (with ``--baseline``, also the same fit
-  without it, same data, before it unless ``--probe-first``): training-loop times, the
-  probe's results and overhead, the layers its ``module_filter_fn`` selects and those torchao's
-  ``convert_to_float8_training`` converts with it; ``--run-dir`` adds ETTMonitor, ``--wandb-dir``
-  a WandbLogger (offline).
-* ``train``: the same model trained three times, with FP8 emulated (``emulate_float8_training``)
-  on no layer, on the layers a probe run found safe (``--results``), and on all; then each one's
-  loss on 16 unseen batches.
+  in one process) trained for ``--steps`` in each fit of ``--arms`` (``probe``: with ``FP8Probe``;
+  ``none``: without; same data): training-loop times, the probe's results and overhead, the
+  layers its ``module_filter_fn`` selects and those torchao's ``convert_to_float8_training``
+  converts with it; ``--run-dir`` adds ETTMonitor, ``--wandb-dir`` a WandbLogger (offline).
+* ``train``: the same model trained under ``--precision`` once per ``--train-arms``, with torchao's
+  ``convert_to_float8_training`` (the real FP8 training; ``--emulate``: this package's
+  emulation instead) on no layer, on the layers a probe run found safe (``--results``), on all,
+  or on the planted layer alone; then each one's loss on 16 unseen batches.
 * ``dlrm``: the example DLRM under ETTStrategy on ``--devices`` gloo ranks with FP8Probe; every
-  rank writes the probe's results, its own raw samples and its local sums.
+  rank writes the probe's results and its own windows.
+* ``user``: a new user's model (:class:`UserModel`: a frozen projection fed raw features with
+  outlier channels, layers built in ``configure_model``) under ``--precision`` and ``--strategy``
+  on ``--devices`` ranks; every rank writes the results and its own windows.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
 
 from examples.fp8_outliers import OutlierBatches, OutlierData, OutlierMLP
 from lightning_ett import ETTMonitor, FP8Probe, emulate_float8_training
 
+OUTLIER_SCALE, DATA_SEED = 1e5, 0  # --outlier-scale, --seed
+
 
 def make(name: str) -> tuple[Any, Any]:
     """A fresh model and its data: the planted-outlier MLP, or the example DLRM (one process, tables unsharded)."""
     if name == "planted":
-        return OutlierMLP(), OutlierData()
+        return OutlierMLP(), OutlierData(outlier_scale=OUTLIER_SCALE, seed=DATA_SEED)
     from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 
     return DLRMModule(num_embeddings=5000), RandomCriteoDataModule(batch_size=512, num_embeddings=5000)
@@ -43,7 +48,7 @@ def make(name: str) -> tuple[Any, Any]:
 def held_out_loss(name: str, model: Any) -> float:
     """The loss on 16 batches never trained on."""
     if name == "planted":
-        batches = (OutlierBatches(batch_size=256, outlier_scale=1e5, seed=99, rank=0).batch(i) for i in range(16))
+        batches = (OutlierBatches(batch_size=256, outlier_scale=OUTLIER_SCALE, seed=99, rank=0).batch(i) for i in range(16))
         with torch.no_grad():
             losses = [float(nn.functional.mse_loss(model(x), y)) for x, y in batches]
         return sum(losses) / len(losses)
@@ -55,8 +60,11 @@ def held_out_loss(name: str, model: Any) -> float:
     return sum(losses) / len(losses)
 
 
+PRECISION = "32-true"  # --precision
+
+
 def trainer(steps: int, callbacks: list[Any], loggers: Any = False, **kw: Any) -> Trainer:
-    return Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=loggers, callbacks=callbacks,
+    return Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=loggers, callbacks=callbacks, precision=PRECISION,
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
 
 
@@ -107,48 +115,116 @@ def timed_fit(steps: int, callbacks: list[Any], model: Any, data: Any, loggers: 
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
-    """With ``FP8Probe(**--probe-args)`` and (``--baseline``) without; ``--run-dir``/``--wandb-dir``: the probed fit only."""
-    seed_everything(0, verbose=False)
-    without = timed_fit(args.steps, [], *make(args.model)) if args.baseline and not args.probe_first else None
-    fp8_probe = FP8Probe(**json.loads(args.probe_args))
-    hook_s = time_hooks(fp8_probe)
-    callbacks: list[Any] = [fp8_probe]
-    loggers: Any = False
-    if args.run_dir:
-        callbacks.append(ETTMonitor(run_dir=args.run_dir, report_on_end=False))
-    if args.wandb_dir:
-        from lightning.pytorch.loggers import WandbLogger
-
-        loggers = [WandbLogger(project="fp8-test", save_dir=args.wandb_dir, offline=True)]
-    seed_everything(0, verbose=False)
-    model, data = make(args.model)
-    with_probe = timed_fit(args.steps, callbacks, model, data, loggers)
-    if args.baseline and args.probe_first:
+    """The fits of ``--arms`` (``probe``: with ``FP8Probe(**--probe-args)``; ``none``: without), in that order, on the
+    same model, seed and data; ``--run-dir``/``--wandb-dir``: for the probed fit."""
+    loops: list[float] = []
+    fp8_probe = hook_s = with_probe = model = None
+    for arm in args.arms.split(","):
         seed_everything(0, verbose=False)
-        without = timed_fit(args.steps, [], *make(args.model))
+        if arm == "none":
+            loops.append(timed_fit(args.steps, [], *make(args.model)).seconds)
+            continue
+        fp8_probe = FP8Probe(**json.loads(args.probe_args))
+        hook_s = time_hooks(fp8_probe)
+        callbacks: list[Any] = [fp8_probe]
+        loggers: Any = False
+        if args.run_dir:
+            callbacks.append(ETTMonitor(run_dir=args.run_dir, report_on_end=False))
+        if args.wandb_dir:
+            from lightning.pytorch.loggers import WandbLogger
+
+            loggers = [WandbLogger(project="fp8-test", save_dir=args.wandb_dir, offline=True)]
+        model, data = make(args.model)
+        with_probe = timed_fit(args.steps, callbacks, model, data, loggers)
+        loops.append(with_probe.seconds)
+    if fp8_probe is None or with_probe is None:
+        return {"arms": args.arms.split(","), "loop_s": loops}
     selected = [fqn for fqn, m in model.named_modules() if fp8_probe.module_filter_fn()(m, fqn)]
     from torchao.float8 import convert_to_float8_training
 
     converted = convert_to_float8_training(make(args.model)[0], module_filter_fn=fp8_probe.module_filter_fn())
-    return {"results": fp8_probe.results, "overhead": fp8_probe.overhead, "samples_taken": fp8_probe.samples_taken,
-            "loop_s_without": without.seconds if without else None, "loop_s_with": with_probe.seconds,
-            "step_s_with": with_probe.step_s, "sampled_steps": fp8_probe.sampled_steps, "hook_s": hook_s, "selected": selected,
+    return {"arms": args.arms.split(","), "loop_s": loops, "results": fp8_probe.results, "overhead": fp8_probe.overhead,
+            "samples_taken": fp8_probe.samples_taken, "step_s_with": with_probe.step_s,
+            "sampled_steps": fp8_probe.sampled_steps, "hook_s": hook_s, "selected": selected,
             "summary_line": fp8_probe.summary_line(),
             "converted": sorted(fqn for fqn, m in converted.named_modules() if type(m).__name__ == "Float8Linear")}
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """The same model, seed and data with FP8 emulated on no layer, on the probe's safe layers, and on all."""
-    safe = {fqn for fqn, r in json.loads(Path(args.results).read_text())["results"].items() if r["verdict"] == "safe"}
-    filters: dict[str, Any] = {"none": lambda m, fqn: False, "safe": lambda m, fqn: fqn in safe, "all": None}
+    """The same model, seed and data with FP8 (torchao's, or emulated) on no layer, on the probe's safe layers, and on all."""
+    results = json.loads(Path(args.results).read_text())["results"] if args.results else {}
+    safe = {fqn for fqn, r in results.items() if r["verdict"] == "safe"}
+    filters: dict[str, Any] = {"none": lambda m, fqn: False, "safe": lambda m, fqn: fqn in safe,
+                               "all": lambda m, fqn: True, "planted": lambda m, fqn: fqn == "planted"}
     out: dict[str, Any] = {}
-    for name, module_filter in filters.items():
+    for name in args.train_arms.split(","):
+        module_filter = filters[name]
         seed_everything(0, verbose=False)
         model, data = make(args.model)
-        swapped = emulate_float8_training(model, module_filter)
+        if args.emulate:
+            swapped = emulate_float8_training(model, module_filter)
+        else:
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(model, module_filter_fn=module_filter)
+            swapped = [fqn for fqn, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
         trainer(args.steps, []).fit(model, datamodule=data)
-        out[name] = {"swapped": swapped, "held_out_loss": held_out_loss(args.model, model)}
+        out[name] = {"swapped": swapped, "held_out_loss": held_out_loss(args.model, model),
+                     "fp8": "emulated" if args.emulate else "torchao"}
     return out
+
+
+class RawFeatures(torch.utils.data.IterableDataset):
+    """Raw features, two of them outlier channels (an id, a timestamp: ~3e4), and a target from the others."""
+
+    def __init__(self, rank: int, batch_size: int = 256) -> None:
+        self.rank, self.batch_size = rank, batch_size
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(100 + self.rank)
+        while True:
+            x = torch.randn(self.batch_size, 32, generator=g)
+            x[:, :2] = 3e4 * (1 + 0.1 * x[:, :2])
+            yield x, x[:, 2:6].sum(dim=1, keepdim=True)
+
+
+class UserModel(LightningModule):
+    """A frozen projection (its own weights for the outlier channels are not zero) and a head built in configure_model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 64).requires_grad_(False)
+        self.body: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.body is None:
+            self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.proj(x) / 1e4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(RawFeatures(self.global_rank), batch_size=None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
+
+
+def user(args: argparse.Namespace) -> None:
+    seed_everything(0, verbose=False)
+    fp8_probe = FP8Probe(**json.loads(args.probe_args))
+    t = Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, precision=args.precision,
+                max_steps=args.steps, logger=False, callbacks=[fp8_probe], enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
+    t.fit(UserModel())
+    out = {"results": fp8_probe.results, "windows": {f: sorted(r.windows.items()) for f, r in fp8_probe._records.items()},
+           "threshold": fp8_probe.sqnr_threshold_db, "tail": fp8_probe.tail, "confidence": fp8_probe.confidence,
+           "samples_taken": fp8_probe.samples_taken}
+    Path(args.out, f"rank{t.global_rank}.json").write_text(json.dumps(out))
 
 
 def dlrm(args: argparse.Namespace) -> None:
@@ -166,15 +242,15 @@ def dlrm(args: argparse.Namespace) -> None:
     model = DLRMModule(num_embeddings=1000, embedding_dim=16, dense_arch_layer_sizes=[64, 16],
                        over_arch_layer_sizes=[64, 32, 1])
     t.fit(model, datamodule=RandomCriteoDataModule(batch_size=128, num_embeddings=1000, num_train_batches=args.steps + 5))
-    out = {"results": fp8_probe.results, "samples": {f: list(r.samples) for f, r in fp8_probe._records.items()},
-           "local": {f: r.verdict.to_list() for f, r in fp8_probe._records.items()}, "dense": len(DEFAULT_INT_NAMES),
-           "threshold": fp8_probe.sqnr_threshold_db, "confidence": fp8_probe.confidence}
+    out = {"results": fp8_probe.results, "windows": {f: sorted(r.windows.items()) for f, r in fp8_probe._records.items()},
+           "dense": len(DEFAULT_INT_NAMES), "threshold": fp8_probe.sqnr_threshold_db, "tail": fp8_probe.tail,
+           "confidence": fp8_probe.confidence}
     Path(args.out, f"rank{t.global_rank}.json").write_text(json.dumps(out))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["probe", "train", "dlrm"])
+    p.add_argument("mode", choices=["probe", "train", "dlrm", "user"])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--results", default=None)
@@ -182,13 +258,20 @@ def main() -> None:
     p.add_argument("--wandb-dir", default=None)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--probe-args", default="{}", help="JSON keyword arguments of FP8Probe (probe mode)")
-    p.add_argument("--baseline", action="store_true", help="probe mode: also the same fit without the probe, timed")
-    p.add_argument("--probe-first", action="store_true", help="probe mode: the probed fit before the baseline")
+    p.add_argument("--arms", default="probe", help="probe mode: the fits, in order: probe (with FP8Probe), none")
+    p.add_argument("--train-arms", default="none,safe,all", help="train mode: FP8 on none, safe, all or planted")
     p.add_argument("--model", choices=["planted", "dlrm"], default="planted")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--emulate", action="store_true", help="train mode: this package's FP8 emulation, not torchao's")
+    p.add_argument("--outlier-scale", type=float, default=1e5, help="the planted model's outlier features")
+    p.add_argument("--seed", type=int, default=0, help="the planted model's data")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.mode == "dlrm":
-        dlrm(args)
+    global PRECISION, OUTLIER_SCALE, DATA_SEED
+    PRECISION, OUTLIER_SCALE, DATA_SEED = args.precision, args.outlier_scale, args.seed
+    if args.mode in ("dlrm", "user"):
+        (dlrm if args.mode == "dlrm" else user)(args)
         return
     result = probe(args) if args.mode == "probe" else train(args)
     (args.out / "result.json").write_text(json.dumps(result))
