@@ -51,15 +51,16 @@ class FP8Probe(Callback):
 
     The verdict is a test on the tail of the per-step SQNR (worst measured GEMM, worst rank),
     one observation per window of ``every_n_steps`` steps (:mod:`lightning_ett.fp8.stats`, where
-    the reasoning is): ``safe`` once enough windows (29 at the defaults, more when windows are
-    autocorrelated) all reach ``sqnr_threshold_db`` — at ``confidence``, fewer than a share
-    ``tail`` of steps fall below it; ``unsafe`` at the first window below it, naming that step;
-    ``undecided`` until then, with the reason (how many windows the budget has bought, and what
-    would buy the rest). A safe layer is re-checked at one sampled window in
-    ``recheck_every`` for the rest of training; a later bad window turns it ``unsafe``, with a
-    warning, in the report and in W&B. Sampling is once per ``every_n_steps`` steps at most, and
-    rarer when needed to keep the probe's own time within ``max_overhead`` of training time.
-    ``eligible`` is torchao's verdict on the shape (:mod:`lightning_ett.fp8.eligible`).
+    the reasoning is): Wald's sequential test says ``safe`` when bad windows (below
+    ``sqnr_threshold_db``) are rare — 36 clean windows at the defaults, ~19 more per bad one,
+    more when windows are autocorrelated — and ``unsafe`` when they are a share ``tail`` or more
+    (two close together at the start), naming the deciding step; ``undecided`` until then, with
+    the reason (how many windows the budget has bought, and what would buy the rest). A safe
+    layer is re-checked at one sampled window in ``recheck_every`` for the rest of training; a
+    run of bad re-checks turns it ``unsafe``, with a warning, in the report and in W&B.
+    Sampling is once per ``every_n_steps`` steps at most, and rarer when needed to keep the probe's
+    own time within ``max_overhead`` of training time. ``eligible`` is torchao's verdict on the
+    shape (:mod:`lightning_ett.fp8.eligible`).
 
     Every rank samples its own data; at the end of ``fit`` one all-gather combines the ranks'
     windows (one window seen on several ranks is one observation, at its worst) and every rank
@@ -86,8 +87,11 @@ class FP8Probe(Callback):
         max_rows: rows of each GEMM's M dimension (batch x sequence) measured per sample, chosen at
             random (the scales still come from every row); ``None``: all. Bounds a sample's cost and memory.
 
-    Under ``torch.compile``, the hooks of a sampled step make Dynamo recompile the hooked
-    layers' frames; probe an eager run where that matters.
+    Under ``torch.compile``, hooks added after compilation do not run (Dynamo skips nn.Module
+    hook guards), so a compiled module is not measured; the probe warns once when a sampled step
+    ran none of its hooks. Probe an eager run. A resumed multi-rank run keeps rank 0's windows
+    from before the checkpoint (Lightning saves rank 0's callback state); the other ranks'
+    earlier windows are not in the verdict.
     """
 
     def __init__(
@@ -133,6 +137,9 @@ class FP8Probe(Callback):
         self._batch_start = 0.0
         self._probe_step_s = 0.0
         self._sample_costs: deque[float] = deque(maxlen=16)
+        self._hooks_fired = 0
+        self._warned_no_hooks = False
+        self._last_global_step = 0
         # resumable
         self.next_sample_step = every_n_steps
         self.opportunities = 0  # sampling windows reached
@@ -185,6 +192,7 @@ class FP8Probe(Callback):
                                                                   self.sqnr_threshold_db, [vector])
         for fqn in self._selected:
             self._local[fqn] = self._records[fqn].decision(self.tail, self.confidence).verdict
+        self._last_global_step = trainer.global_step
 
     # ------------------------------------------------------------------ sampling
     def _due(self) -> set[str]:
@@ -196,7 +204,9 @@ class FP8Probe(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
         self._probe_step_s = 0.0
-        if trainer.global_step < self.next_sample_step or self._sampling or accumulating(trainer):
+        if self._sampling:  # the last sampled batch never reached its end (skipped by the module): no hook stays
+            self._remove_hooks()
+        if trainer.global_step < self.next_sample_step or accumulating(trainer):
             return  # (the common case first: this is every step's cost; one batch per optimizer step is sampled)
         self.opportunities += 1
         due = self._due()
@@ -205,19 +215,24 @@ class FP8Probe(Callback):
             return
         start = time.perf_counter()
         self._sampling = True
+        self._hooks_fired = 0
         window = trainer.global_step // self.every_n_steps
         for fqn, module in self._layers.items():
-            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, window, probe=fqn in due)))
+            self._handles.append(module.register_forward_hook(self._forward_hook(fqn, window, probe=fqn in due),
+                                                              with_kwargs=True))
         self._probe_step_s += time.perf_counter() - start
 
     def _forward_hook(self, fqn: str, window: int, probe: bool) -> Callable[..., None]:
         record = self._records[fqn]
 
-        def hook(module: nn.Linear, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        def hook(module: nn.Linear, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> None:
             start = time.perf_counter()
-            x = args[0]
+            self._hooks_fired += 1
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.numel() == 0:
+                return  # (a layer given no rows this step, e.g. an expert no token chose: nothing to measure)
             record.observe_rows(x.numel() // max(module.in_features, 1))
-            if probe and isinstance(x, torch.Tensor) and isinstance(output, torch.Tensor):
+            if probe:
                 rows = x.detach().reshape(-1, module.in_features)
                 weight = module.weight.detach()
                 sample = sample_forward(rows, weight, compute_dtype(x, output), self._recipe, self.max_rows,
@@ -241,18 +256,29 @@ class FP8Probe(Callback):
 
         return hook
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        now = time.perf_counter()
-        self.train_steps += 1
-        if not self._sampling:
-            self.train_s += now - self._batch_start
-            return
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._sampling = False
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.perf_counter()
+        # in optimizer steps, the unit of every_n_steps and of the interval (a batch may only accumulate)
+        self.train_steps += max(trainer.global_step - self._last_global_step, 0)
+        self._last_global_step = trainer.global_step
+        if not self._sampling:
+            self.train_s += now - self._batch_start
+            return
+        self._remove_hooks()
+        if not self._hooks_fired and not self._warned_no_hooks:
+            self._warned_no_hooks = True
+            warnings.warn("FP8Probe: a sampled training step ran none of the probed layers' forward hooks, so nothing "
+                          "was measured. A module compiled with torch.compile does not run hooks added after its "
+                          "compilation (Dynamo skips nn.Module hook guards): probe an eager run, or set "
+                          "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling.", stacklevel=2)
         self._update_verdicts(trainer)
         self._probe_step_s += time.perf_counter() - now
         self.probe_s += self._probe_step_s
@@ -260,6 +286,10 @@ class FP8Probe(Callback):
         self.samples_taken += 1
         self.sampled_steps.append(trainer.global_step - 1)  # (the step that just ran)
         self.next_sample_step = trainer.global_step + self._interval(self._probe_step_s)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()  # nothing of the probe stays on a model whose fit failed
 
     def _update_verdicts(self, trainer: pl.Trainer) -> None:
         """This rank's verdicts after a sample; a safe layer found bad by a re-check is said at once, on this rank."""
@@ -303,6 +333,7 @@ class FP8Probe(Callback):
     # ------------------------------------------------------------------ the verdict
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
         if not self._records:
             return
         vectors = [record.to_vector() for record in self._records.values()]
@@ -350,9 +381,12 @@ class FP8Probe(Callback):
         missing = r["samples_needed"] - r["samples"]
         correlated = (f"; windows are autocorrelated (rho {r['autocorrelation']:.2f}), each counts "
                       f"{(1 - r['autocorrelation']) / (1 + r['autocorrelation']):.2f}" if r["autocorrelation"] else "")
+        more = math.ceil(missing * steps_per_sample)
+        if steps_per_sample <= 1.1 * self.every_n_steps:  # the window, not the budget, set the pace
+            return (f"{below}, {r['samples_needed']} needed{correlated}: a sample every window (every_n_steps="
+                    f"{self.every_n_steps}); ~{more} more steps, or a smaller every_n_steps, would decide it")
         return (f"{below}, {r['samples_needed']} needed{correlated}: the {self.max_overhead:.0%} budget bought a sample "
-                f"every ~{steps_per_sample:.0f} steps; ~{math.ceil(missing * steps_per_sample)} more steps, or a larger "
-                f"max_overhead, would decide it")
+                f"every ~{steps_per_sample:.0f} steps; ~{more} more steps, or a larger max_overhead, would decide it")
 
     def summary_line(self) -> str:
         chosen = [r for r in self.results.values() if r["verdict"] == SAFE and r["eligible"]]

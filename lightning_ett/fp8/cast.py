@@ -22,6 +22,7 @@ torchao's ``Float8Linear`` returns it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -156,8 +157,12 @@ def fp8_mm(a: torch.Tensor, b: torch.Tensor, recipe: Recipe, gemm: Gemm, out_dty
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB, torchao's definition (``compute_error``); +inf when exact."""
-    return float(compute_error(reference.float(), approximation.float()))
+    """Signal-to-quantization-noise ratio in dB, torchao's definition (``compute_error``); +inf when exact (an
+    all-zero GEMM included), NaN when the FP8 product is not finite (an overflow)."""
+    value = float(compute_error(reference.float(), approximation.float()))
+    if math.isnan(value) and bool(torch.isfinite(approximation).all()) and not bool(reference.any()):
+        return math.inf if not bool(approximation.any()) else -math.inf  # 0 / 0: exact; signal 0, noise > 0: bad
+    return value
 
 
 def relative_error(sqnr: float) -> float:

@@ -4,8 +4,10 @@ A sampled step measures the GEMMs the layer really runs: the output GEMM in its 
 frozen layer, whose backward hook never fires, is measured too), and in backward the
 grad-input GEMM when its input needs a gradient and the grad-weight GEMM when its weight
 does. Each is computed as the layer computes it today — in autocast's dtype under mixed
-precision, in the parameters' dtype otherwise (:func:`compute_dtype`) — and in FP8 as the
-verdict recipe casts it (:mod:`lightning_ett.fp8.cast`), and compared by SQNR.
+precision, in the parameters' dtype otherwise (:func:`compute_dtype`) — and in FP8 as
+torchao's ``Float8Linear`` computes it on a GPU under the same precision (the input cast to
+autocast's dtype first, the weight cast to FP8 from its own dtype, the product returned in the
+input's dtype; :mod:`lightning_ett.fp8.cast`), and compared by SQNR.
 
 Memory is bounded by ``max_rows``: the forward keeps that many sampled rows of the input (in
 the compute dtype) and the amaxes the real casts take over every row, not the activation.
@@ -31,7 +33,7 @@ from lightning_ett.fp8.stats import Decision, RunningStats, decide
 
 OPERANDS = ("input", "weight", "grad_output")
 KERNELS = ("scaled_mm", "emulated")
-MAX_WINDOWS = 256  # per layer and rank: the windows kept one by one; later good ones are only counted
+MAX_WINDOWS = 1024  # per layer and rank: the windows kept one by one (the first half always, then the latest)
 
 
 def compute_dtype(x: torch.Tensor, output: torch.Tensor) -> torch.dtype:
@@ -60,7 +62,12 @@ class ForwardSample:
     x: torch.Tensor  # [m, K] in ``dtype``
     x_amax: torch.Tensor | None  # the whole input's amax for the output GEMM's cast (None: per-row, from ``x``)
     x_amax_grad_weight: torch.Tensor  # ... for the grad-weight GEMM's cast (reduced along M: every row counts)
-    weight: torch.Tensor  # [N, K] in ``dtype``
+    weight: torch.Tensor  # [N, K] the parameter itself (no copy): torchao casts it to FP8 from its own dtype
+
+    @property
+    def weight_reference(self) -> torch.Tensor:
+        """[N, K] in ``dtype``: what the layer's GEMM reads today (autocast's copy), made when needed, not kept."""
+        return self.weight.to(self.dtype)
 
 
 @torch.no_grad()
@@ -75,13 +82,15 @@ def sample_forward(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, re
     x_right = recipe.operands[Gemm.GRAD_WEIGHT][1]
     kept = (x if rows is None else x.index_select(0, rows)).to(dtype)
     return ForwardSample(dtype, rows, kept, None if x_left.axiswise else amax(x, x_left, -1, dtype),
-                         amax(x, x_right, 0, dtype), weight.to(dtype))
+                         amax(x, x_right, 0, dtype), weight)
 
 
 def _measure(gemm: Gemm, recipe: Recipe, a: torch.Tensor, b: torch.Tensor, a_amax: torch.Tensor | None,
-             b_amax: torch.Tensor | None, dtype: torch.dtype, names: tuple[str | None, str | None]) -> GemmResult:
+             b_amax: torch.Tensor | None, dtype: torch.dtype, names: tuple[str | None, str | None],
+             b_reference: torch.Tensor) -> GemmResult:
+    """``a @ b`` in FP8 against ``a @ b_reference`` (``b`` as the GEMM reads it today, in ``dtype``)."""
     left, right = recipe.operands[gemm]
-    reference = a @ b
+    reference = a @ b_reference
     ca = cast(a, left, -1, a_amax, losses=names[0] is not None)
     cb = cast(b, right, 0, b_amax, losses=names[1] is not None)
     approx, kernel = matmul(ca, cb, dtype, recipe.fast_accum[gemm])
@@ -95,7 +104,7 @@ def measure_output(sample: ForwardSample, recipe: Recipe) -> GemmResult:
     """The forward GEMM ``x @ Wᵀ`` of the sampled rows, in the compute dtype and in FP8."""
     with torch.autocast(sample.x.device.type, enabled=False):  # (forward hooks run inside the autocast region)
         return _measure(Gemm.OUTPUT, recipe, sample.x, sample.weight.t(), sample.x_amax, None, sample.dtype,
-                        ("input", "weight"))
+                        ("input", "weight"), sample.weight_reference.t())
 
 
 @torch.no_grad()
@@ -109,12 +118,13 @@ def measure_backward(sample: ForwardSample, grad_out: torch.Tensor, recipe: Reci
         if grad_input:  # dy @ W: dy per row (reduced along N) or per tensor
             left = recipe.operands[Gemm.GRAD_INPUT][0]
             results.append(_measure(Gemm.GRAD_INPUT, recipe, dy, sample.weight, None if left.axiswise else
-                                    amax(dy_full, left, -1), None, sample.dtype, ("grad_output", None)))
+                                    amax(dy_full, left, -1), None, sample.dtype, ("grad_output", None),
+                                    sample.weight_reference))
         if grad_weight:  # dyᵀ @ x, reduced along M: both scales from every row
             left = recipe.operands[Gemm.GRAD_WEIGHT][0]
             dy_amax = amax(dy_full, left, 0)
             results.append(_measure(Gemm.GRAD_WEIGHT, recipe, dy.t(), sample.x, dy_amax.t() if left.axiswise else dy_amax,
-                                    sample.x_amax_grad_weight, sample.dtype, (None, None)))
+                                    sample.x_amax_grad_weight, sample.dtype, (None, None), sample.x))
     return results
 
 
@@ -128,8 +138,8 @@ class LayerRecord:
     out_features: int
     threshold_db: float
     windows: dict[int, float] = field(default_factory=dict)  # window -> worst SQNR (dB) measured in it
-    late_good: float = 0.0  # good windows past MAX_WINDOWS: counted only
-    late_bad: tuple[float, float] = (math.inf, math.inf)  # the first bad window past MAX_WINDOWS, and its SQNR
+    dropped: float = 0.0  # windows past MAX_WINDOWS no longer kept (the oldest after the first half), counted
+    dropped_bad: float = 0.0  # ... of them below the threshold
     gemms: dict[str, RunningStats] = field(default_factory=dict)  # "<gemm>/<sqnr_db|rel_error>"
     kernels: dict[str, set[str]] = field(default_factory=dict)  # gemm -> the kernels that computed it
     casts: dict[str, RunningStats] = field(default_factory=dict)  # "<saturated|flushed>/<operand>"
@@ -158,20 +168,18 @@ class LayerRecord:
     def _observe(self, window: int, value: float) -> None:
         if window in self.windows:
             self.windows[window] = min(self.windows[window], value)
-        elif len(self.windows) < MAX_WINDOWS:
-            self.windows[window] = value
-        elif value < self.threshold_db:
-            self.late_bad = min(self.late_bad, (float(window), value))
-        else:
-            self.late_good += 1
+            return
+        self.windows[window] = value
+        if len(self.windows) > MAX_WINDOWS:  # keep the first half (the test's own windows) and the latest (re-checks)
+            oldest = sorted(self.windows)[MAX_WINDOWS // 2]
+            self.dropped += 1
+            self.dropped_bad += not self.windows.pop(oldest) >= self.threshold_db
 
     def decision(self, tail: float, confidence: float) -> Decision:
-        series = sorted(self.windows.items())
-        if math.isfinite(self.late_bad[0]):
-            series.append((int(self.late_bad[0]), self.late_bad[1]))
-        found = decide(series, self.threshold_db, tail, confidence)
-        if self.late_good:
-            found = replace(found, windows=found.windows + int(self.late_good))
+        found = decide(sorted(self.windows.items()), self.threshold_db, tail, confidence)
+        if self.dropped:
+            found = replace(found, windows=found.windows + int(self.dropped),
+                            bad_windows=found.bad_windows + int(self.dropped_bad))
         return found
 
     # ---------------------------------------------------------------- the flat vector ranks exchange
@@ -183,7 +191,7 @@ class LayerRecord:
             out.append(float(sum(1 << i for i, k in enumerate(KERNELS) if k in self.kernels.get(gemm.value, ()))))
         for key in _cast_keys():
             out += self.casts.get(key, RunningStats()).to_list()
-        out += [self.amax[o] for o in OPERANDS] + [self.rows, self.passes, self.late_good, *self.late_bad]
+        out += [self.amax[o] for o in OPERANDS] + [self.rows, self.passes, self.dropped, self.dropped_bad]
         pairs = sorted(self.windows.items())
         for i in range(MAX_WINDOWS):
             out += [float(pairs[i][0]), pairs[i][1]] if i < len(pairs) else [math.nan, math.nan]
@@ -211,9 +219,8 @@ class LayerRecord:
                 record.amax[operand] = max(record.amax[operand], next(values))
             record.rows += next(values)
             record.passes += next(values)
-            record.late_good += next(values)
-            late_bad = (next(values), next(values))
-            record.late_bad = min(record.late_bad, late_bad)
+            record.dropped += next(values)  # (a window dropped on two ranks counts twice: a count for the report)
+            record.dropped_bad += next(values)
             for _ in range(MAX_WINDOWS):
                 window, value = next(values), next(values)
                 if not math.isnan(window):

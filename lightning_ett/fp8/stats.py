@@ -24,7 +24,9 @@ and calling them unsafe for it would cost the user the FP8 speed-up of healthy l
 
 **Ranks and autocorrelation.** Same-window samples of several ranks are one observation (their
 minimum: a bad step on one rank reaches every rank through the all-reduced gradient), not
-several. Windows are a drifting series, and neighbouring windows are alike: with a lag-1
+several. The bad share is therefore the job's — of steps bad on any rank — and grows with
+the ranks that happen to sample a window: a layer with rare bad batches looks worse on 8
+ranks than on 1, as it is. Windows are a drifting series, and neighbouring windows are alike: with a lag-1
 autocorrelation ``rho``, ``n`` windows carry the information of about ``n (1 - rho) / (1 +
 rho)`` independent ones (the AR(1) effective sample size), so the ratio is weighted by
 ``(1 - rho) / (1 + rho)`` — all of it, re-weighted at every window with the estimate so far, so
@@ -34,14 +36,19 @@ it out just when it matters), counted where it is significant (above ``2 / sqrt(
 band of an independent series) and clamped to [0, 0.9]. It is the SQNR level's correlation, a
 stand-in for that of the bad windows (unseen until they come): slow drift raises it and asks
 for more windows — the conservative side, named in the report as the reason when a layer
-stays undecided.
+stays undecided. What it cannot see is bad windows that cluster while the level between them
+is white (bad batches that come in runs, unannounced): there the windows are as independent
+as their spacing makes them, and the guarantee holds for runs shorter than ``every_n_steps``.
 
 **Re-checks.** After ``safe`` the layer is still sampled, at a lower rate, for the rest of
 training, and the ratio goes on from the ``safe`` boundary, held there from below (a CUSUM,
 the SPRT's monitoring form): good windows cannot bank credit, and a run of bad ones — about
-four within a dozen windows — turns the verdict to ``unsafe``, recorded with the window it
-was safe at. The simulation in ``tests/test_fp8_stats.py`` checks the false-``safe`` rate on
-series with rare bad steps, clustered bad steps and drift.
+five within a dozen or so windows — turns the verdict to ``unsafe``, recorded with the window
+it was safe at. The monitoring boundary is twice the test's (``2 log(1 / alpha)``): a layer
+at the safe bad share (``tail / 5``) re-checked 2000 times flips in ~3 % of runs (at the
+test's own boundary, 25 %), and a bad share of 0.2 is caught after a median 28 re-checks.
+The simulation in ``tests/test_fp8_stats.py`` checks the false-``safe`` rate on series with
+rare bad steps, clustered bad steps and drift, and the re-checks' false alarms.
 
 Hand-written because it is a few lines on top of Wald's formulas; SciPy and statsmodels have
 fixed-sample binomial tests, not a sequential one with an autocorrelation weight.
@@ -118,12 +125,14 @@ class Plan:
     good: float  # log((1 - p1) / (1 - p0)), negative
     lower: float  # safe at or below
     upper: float  # unsafe at or above
+    monitor_upper: float  # unsafe at or above once safe: twice the evidence (see the module's docstring)
 
     @classmethod
     def of(cls, tail: float, confidence: float) -> Plan:
         p1, p0 = tail, tail / 5
         beta = 1 - confidence
-        return cls(math.log(p1 / p0), math.log((1 - p1) / (1 - p0)), math.log(beta), math.log(1 / FALSE_UNSAFE))
+        upper = math.log(1 / FALSE_UNSAFE)
+        return cls(math.log(p1 / p0), math.log((1 - p1) / (1 - p0)), math.log(beta), upper, 2 * upper)
 
     def clean_windows(self, llr: float = 0.0, weight: float = 1.0) -> int:
         """Good windows that take the ratio from ``llr`` to ``safe``."""
@@ -151,10 +160,11 @@ def decide(series: list[tuple[int, float]], threshold_db: float, tail: float, co
 
     A replay of the sequential test, window by window, from the start: every rank and every
     restart reaches the same verdict from the same windows, and ``safe_at`` is the window at
-    which the looks first said ``safe``. Infinite SQNRs (an exact FP8 GEMM, e.g. an all-zero
-    input) are observations above any threshold.
+    which the looks first said ``safe``. An infinite SQNR (an exact FP8 GEMM, e.g. an all-zero
+    input) is a good window, a NaN one (the FP8 product overflowed) a bad one.
     """
     plan = Plan.of(tail, confidence)
+    series = [(w, -math.inf if math.isnan(v) else v) for w, v in series]  # NaN: the FP8 GEMM overflowed
     values = [v for _, v in series]
     llr, weight, rho = 0.0, 1.0, 0.0
     safe_at = unsafe_at = bad_db = None
@@ -167,14 +177,14 @@ def decide(series: list[tuple[int, float]], threshold_db: float, tail: float, co
         step = plan.bad if bad else plan.good
         if safe_at is None:
             if not bad:  # (a bad window's outlying SQNR would wash the estimate out just when it matters)
-                lag.add(min(value, 1e3))
+                lag.add(min(value, threshold_db + 40))  # (an exact GEMM, +inf, would be such an outlier too)
             rho = lag.significant()
             weight = (1 - rho) / (1 + rho)
             raw += step
             llr = raw * weight
         else:  # monitoring: the weight of the verdict; no credit banked below the safe boundary
             llr = max(llr + step * weight, plan.lower)
-        if llr >= plan.upper:
+        if llr >= (plan.upper if safe_at is None else plan.monitor_upper):
             unsafe_at, bad_db = window, value
             break
         if safe_at is None and llr <= plan.lower and not bad:

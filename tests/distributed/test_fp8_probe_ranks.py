@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import SCRIPTS, launch
 
 from lightning_ett import summarize_run_dir
@@ -47,9 +48,11 @@ def test_under_ettstrategy_the_dlrm_dense_layers_are_combined_window_by_window(t
     assert fact["layers"] == 5 and fact["safe_and_eligible"] == 0
 
 
-def test_under_ddp_and_bf16_mixed_a_users_configure_model_and_frozen_layers_are_probed(tmp_path):
-    """Lightning runs the callbacks' setup before configure_model: the probe finds the layers at fit start."""
-    proc = launch(JOB, "user", "--devices", "2", "--strategy", "ddp", "--precision", "bf16-mixed", "--steps", "60",
+@pytest.mark.parametrize("strategy", ["ddp", "ett"])
+def test_under_bf16_mixed_a_users_configure_model_and_frozen_layers_are_probed(strategy, tmp_path):
+    """Lightning runs the callbacks' setup before configure_model: the probe finds the layers at fit start, under DDP
+    and under ETTStrategy alike."""
+    proc = launch(JOB, "user", "--devices", "2", "--strategy", strategy, "--precision", "bf16-mixed", "--steps", "60",
                   "--probe-args", json.dumps({"every_n_steps": 5, "max_overhead": 0.9}), "--out", str(tmp_path),
                   run_dir=tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-4000:]

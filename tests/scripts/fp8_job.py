@@ -114,6 +114,54 @@ def timed_fit(steps: int, callbacks: list[Any], model: Any, data: Any, loggers: 
     return timer
 
 
+def agreement(model: Any, recipe: str) -> dict[str, dict[str, list[float]]]:
+    """Per Linear of the trained planted model, on a held-out batch under the run's precision: each GEMM's SQNR as the
+    probe predicts it and as torchao's own Float8Linear (a converted copy of the layer, the same weights) gives it,
+    from the same input and the same output gradient."""
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_ett.fp8.cast import Recipe, sqnr_db
+    from lightning_ett.fp8.probe import compute_dtype, measure_backward, measure_output, sample_forward
+
+    autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(PRECISION)
+    x_batch, _ = OutlierBatches(batch_size=256, outlier_scale=OUTLIER_SCALE, seed=98, rank=0).batch(0)
+    inputs: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda m, a, o, fqn=fqn: inputs.__setitem__(fqn, a[0].detach()))
+               for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        model(x_batch)
+    for handle in handles:
+        handle.remove()
+    r = Recipe.from_torchao(recipe)
+    out: dict[str, dict[str, list[float]]] = {}
+    for fqn, layer in model.named_modules():
+        if not isinstance(layer, nn.Linear):
+            continue
+        x = inputs[fqn].float()
+        gemm_only = copy.deepcopy(layer)
+        gemm_only.bias = None  # the GEMM alone: an output rounded with a large bias in it would hide its error
+        fp8 = convert_to_float8_training(nn.Sequential(copy.deepcopy(gemm_only)),
+                                         config=Float8LinearConfig.from_recipe_name(recipe))[0]
+        grad = torch.randn(x.shape[0], layer.out_features, generator=torch.Generator().manual_seed(0)) * 1e-3
+        seen = {}
+        for name, lin in (("reference", gemm_only), ("torchao", fp8)):
+            inp = x.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                # (torchao reads CUDA's autocast state only: on a GPU it casts its input to autocast's dtype first)
+                y = lin(inp if name == "reference" or autocast is None else inp.to(autocast))
+                if name == "reference":
+                    dtype = compute_dtype(inp, y)
+            y.backward(grad.to(y.dtype))
+            seen[name] = {"output": y.detach(), "grad_input": inp.grad, "grad_weight": lin.weight.grad}
+        sample = sample_forward(x, layer.weight.detach(), dtype, r, None, torch.Generator())
+        predicted = {"output": measure_output(sample, r).sqnr}
+        predicted.update({m.gemm.value: m.sqnr for m in measure_backward(sample, grad.to(dtype), r, True, True)})
+        out[fqn] = {g: [predicted[g], sqnr_db(seen["reference"][g], seen["torchao"][g])] for g in predicted}
+    return out
+
+
 def probe(args: argparse.Namespace) -> dict[str, Any]:
     """The fits of ``--arms`` (``probe``: with ``FP8Probe(**--probe-args)``; ``none``: without), in that order, on the
     same model, seed and data; ``--run-dir``/``--wandb-dir``: for the probed fit."""
@@ -147,6 +195,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
             "samples_taken": fp8_probe.samples_taken, "step_s_with": with_probe.step_s,
             "sampled_steps": fp8_probe.sampled_steps, "hook_s": hook_s, "selected": selected,
             "summary_line": fp8_probe.summary_line(),
+            "agreement": agreement(model, fp8_probe.recipe) if args.model == "planted" else None,
             "converted": sorted(fqn for fqn, m in converted.named_modules() if type(m).__name__ == "Float8Linear")}
 
 
@@ -217,7 +266,12 @@ class UserModel(LightningModule):
 def user(args: argparse.Namespace) -> None:
     seed_everything(0, verbose=False)
     fp8_probe = FP8Probe(**json.loads(args.probe_args))
-    t = Trainer(accelerator="cpu", devices=args.devices, strategy=args.strategy, precision=args.precision,
+    strategy: Any = args.strategy
+    if strategy == "ett":
+        from lightning_ett import ETTStrategy
+
+        strategy = ETTStrategy()
+    t = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision,
                 max_steps=args.steps, logger=False, callbacks=[fp8_probe], enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
     t.fit(UserModel())
