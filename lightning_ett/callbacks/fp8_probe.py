@@ -220,6 +220,7 @@ class FP8Probe(Callback):
         for fqn, module in self._layers.items():
             self._handles.append(module.register_forward_hook(self._forward_hook(fqn, window, probe=fqn in due),
                                                               with_kwargs=True))
+            self._records[fqn].observe_step()
         self._probe_step_s += time.perf_counter() - start
 
     def _forward_hook(self, fqn: str, window: int, probe: bool) -> Callable[..., None]:
@@ -345,12 +346,12 @@ class FP8Probe(Callback):
         combined = combine(self._records, gathered[:, :-1])
         per_rank = gathered[:, -1, :len(timing)]
         self._overheads = [float(p[0] / p[1]) if p[1] else 0.0 for p in per_rank]
-        steps_per_sample = max(float(p[3] / p[2]) if p[2] else float(p[3]) for p in per_rank)
-        self.results = self._results(combined, steps_per_sample)
+        steps = max(float(p[3]) for p in per_rank)
+        self.results = self._results(combined, steps)
         if trainer.is_global_zero:
             self._publish(trainer)
 
-    def _results(self, combined: dict[str, LayerRecord], steps_per_sample: float) -> dict[str, dict[str, Any]]:
+    def _results(self, combined: dict[str, LayerRecord], steps: float) -> dict[str, dict[str, Any]]:
         total_flops = sum(r.flops() for r in combined.values()) or 1.0
         results = {}
         for fqn in self._selected:
@@ -361,32 +362,34 @@ class FP8Probe(Callback):
             rel = [g["rel_error_mean"] for g in summary["gemms"].values() if g.get("rel_error_mean") is not None]
             summary["relative_error"] = max(rel) if rel else None
             summary["turned_unsafe"] = summary["safe_at_window"] is not None and summary["unsafe_at_window"] is not None
-            summary["reason"] = self._reason(summary, steps_per_sample)
+            summary["reason"] = self._reason(summary, steps)
             results[fqn] = summary
         return results
 
-    def _reason(self, r: dict[str, Any], steps_per_sample: float) -> str:
+    def _reason(self, r: dict[str, Any], steps: float) -> str:
         """Why the verdict is what it is, in words a user can act on."""
-        measured = "+".join(r["measured_gemms"]) or "no GEMM"
         below = f"{r['bad_windows']} of {r['samples']} windows below {self.sqnr_threshold_db:g} dB"
+        per_gemm = ", ".join(f"{g} {_num(v)}" for g, v in r["sqnr_db_worst_per_gemm"].items())
         if r["verdict"] == UNSAFE:
             step = r["unsafe_at_window"] * self.every_n_steps
             after = (f"after being safe from step ~{r['safe_at_window'] * self.every_n_steps}, "
                      if r["turned_unsafe"] else "")
-            return f"{after}{below}; decided at step ~{step} ({_num(r['deciding_sqnr_db'])} dB; {measured})"
+            return f"{after}{below}; decided at step ~{step}; worst dB per GEMM: {per_gemm}"
         if r["verdict"] == SAFE:
-            return f"{below}; worst {_num(r['sqnr_db_worst'])} dB ({measured})"
+            return f"{below}; worst dB per GEMM: {per_gemm}"
         if not r["measured_gemms"]:
-            return "never measured: the layer did not run in a sampled training step"
-        missing = r["samples_needed"] - r["samples"]
+            return ("never measured: the layer did not run in a sampled training step (a module compiled with "
+                    "torch.compile runs no hook added after its compilation: probe an eager run)")
+        per_window = steps / max(r["samples"], 1)  # this layer's own pace (one that skips steps gets fewer windows)
+        more = math.ceil((r["samples_needed"] - r["samples"]) * per_window)
         correlated = (f"; windows are autocorrelated (rho {r['autocorrelation']:.2f}), each counts "
                       f"{(1 - r['autocorrelation']) / (1 + r['autocorrelation']):.2f}" if r["autocorrelation"] else "")
-        more = math.ceil(missing * steps_per_sample)
-        if steps_per_sample <= 1.1 * self.every_n_steps:  # the window, not the budget, set the pace
-            return (f"{below}, {r['samples_needed']} needed{correlated}: a sample every window (every_n_steps="
-                    f"{self.every_n_steps}); ~{more} more steps, or a smaller every_n_steps, would decide it")
-        return (f"{below}, {r['samples_needed']} needed{correlated}: the {self.max_overhead:.0%} budget bought a sample "
-                f"every ~{steps_per_sample:.0f} steps; ~{more} more steps, or a larger max_overhead, would decide it")
+        if per_window <= 1.1 * self.every_n_steps:  # the window, not the budget, set the pace
+            return (f"{below}, {r['samples_needed']} needed{correlated}: a window every every_n_steps="
+                    f"{self.every_n_steps} steps; ~{more} more steps, or a smaller every_n_steps, would decide it")
+        return (f"{below}, {r['samples_needed']} needed{correlated}: a window every ~{per_window:.0f} steps (the "
+                f"{self.max_overhead:.0%} budget, and the steps the layer ran in); ~{more} more steps, or a larger "
+                "max_overhead, would decide it")
 
     def summary_line(self) -> str:
         chosen = [r for r in self.results.values() if r["verdict"] == SAFE and r["eligible"]]
@@ -400,16 +403,25 @@ class FP8Probe(Callback):
             line += f"; {undecided} undecided (why: fp8_probe.json)"
         return line
 
-    def module_filter_fn(self, require_eligible: bool = True) -> Callable[[nn.Module, str], bool]:
+    def module_filter_fn(self, require_eligible: bool = True, prefix: str = "") -> Callable[[nn.Module, str], bool]:
         """``(module, fqn) -> bool`` for torchao's ``convert_to_float8_training``: the layers found safe (and eligible).
 
-        Names are matched as this LightningModule names its modules, or by their tail when the
-        filter is applied to a submodule (``lightning_module.model`` → ``"dense_arch..."``).
+        Names are those of this LightningModule's modules. Applied to a submodule
+        (``lightning_module.model``), pass its name as ``prefix`` (``"model"``); without it, a
+        name is matched by its tail only where the tail is unique — ``"2"`` in a model with
+        ``enc.2`` and ``dec.2`` matches neither, rather than risk the unsafe one.
+        ``require_eligible=False`` also selects safe layers below torchao's FP8 sizes.
         """
         chosen = {f for f, r in self.results.items() if r["verdict"] == SAFE and (r["eligible"] or not require_eligible)}
+        probed = list(self.results)
 
         def module_filter(module: nn.Module, fqn: str) -> bool:
-            return isinstance(module, nn.Linear) and any(name == fqn or name.endswith("." + fqn) for name in chosen)
+            if not isinstance(module, nn.Linear):
+                return False
+            if prefix:
+                return f"{prefix}.{fqn}" in chosen
+            matches = [name for name in probed if name == fqn or name.endswith("." + fqn)]
+            return len(matches) == 1 and matches[0] in chosen
 
         return module_filter
 

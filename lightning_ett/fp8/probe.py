@@ -145,11 +145,16 @@ class LayerRecord:
     casts: dict[str, RunningStats] = field(default_factory=dict)  # "<saturated|flushed>/<operand>"
     amax: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPERANDS, 0.0))
     rows: float = 0.0  # input rows seen, summed over forward passes observed (for the GEMM shape and FLOPs)
-    passes: float = 0.0
+    passes: float = 0.0  # calls observed
+    steps: float = 0.0  # sampled steps observed, whether the layer ran in them or not (FLOPs are per step)
+    worst: dict[str, float] = field(default_factory=lambda: {g.value: math.inf for g in Gemm})  # per GEMM, dB
 
     def observe_rows(self, rows: int) -> None:
         self.rows += rows
         self.passes += 1
+
+    def observe_step(self) -> None:
+        self.steps += 1
 
     def observe_amax(self, operand: str, tensor: torch.Tensor) -> None:
         low, high = torch.aminmax(tensor.detach())
@@ -158,6 +163,8 @@ class LayerRecord:
     def add(self, window: int, result: GemmResult) -> None:
         """One measured GEMM of the sample in ``window``: the window's observation is its worst GEMM."""
         self._observe(window, result.sqnr)
+        value = -math.inf if math.isnan(result.sqnr) else result.sqnr
+        self.worst[result.gemm.value] = min(self.worst[result.gemm.value], value)
         for metric, value in (("sqnr_db", result.sqnr), ("rel_error", relative_error(result.sqnr))):
             self.gemms.setdefault(f"{result.gemm.value}/{metric}", RunningStats()).add(value)
         self.kernels.setdefault(result.gemm.value, set()).add(result.kernel)
@@ -191,7 +198,8 @@ class LayerRecord:
             out.append(float(sum(1 << i for i, k in enumerate(KERNELS) if k in self.kernels.get(gemm.value, ()))))
         for key in _cast_keys():
             out += self.casts.get(key, RunningStats()).to_list()
-        out += [self.amax[o] for o in OPERANDS] + [self.rows, self.passes, self.dropped, self.dropped_bad]
+        out += [self.amax[o] for o in OPERANDS] + [self.rows, self.passes, self.steps, self.dropped, self.dropped_bad]
+        out += [self.worst[g.value] for g in Gemm]
         pairs = sorted(self.windows.items())
         for i in range(MAX_WINDOWS):
             out += [float(pairs[i][0]), pairs[i][1]] if i < len(pairs) else [math.nan, math.nan]
@@ -219,8 +227,11 @@ class LayerRecord:
                 record.amax[operand] = max(record.amax[operand], next(values))
             record.rows += next(values)
             record.passes += next(values)
+            record.steps = max(record.steps, next(values))  # (the ranks sample alike often: per-step FLOPs)
             record.dropped += next(values)  # (a window dropped on two ranks counts twice: a count for the report)
             record.dropped_bad += next(values)
+            for gemm in Gemm:
+                record.worst[gemm.value] = min(record.worst[gemm.value], next(values))
             for _ in range(MAX_WINDOWS):
                 window, value = next(values), next(values)
                 if not math.isnan(window):
@@ -230,10 +241,13 @@ class LayerRecord:
     # ---------------------------------------------------------------- what the report says
     @property
     def mean_rows(self) -> float:
+        """Rows per call (the GEMM's M)."""
         return self.rows / self.passes if self.passes else 0.0
 
     def flops(self) -> float:
-        return gemm_flops(self.mean_rows, self.in_features, self.out_features)
+        """Per training step: a layer called twice a step counts twice, one that runs one step in seven a seventh."""
+        rows_per_step = self.rows / self.steps if self.steps else self.mean_rows
+        return gemm_flops(rows_per_step, self.in_features, self.out_features)
 
     def measured(self) -> list[str]:
         """The GEMMs measured at least once (a frozen layer's forward only; no grad-input GEMM for a first layer)."""
@@ -258,6 +272,7 @@ class LayerRecord:
             "safe_at_window": found.safe_at, "unsafe_at_window": found.unsafe_at, "bad_windows": found.bad_windows,
             "deciding_sqnr_db": _finite(found.bad_db),
             "sqnr_db_worst": _finite(found.worst_db), f"sqnr_db_q{round(100 * tail)}": _finite(found.quantile_db),
+            "sqnr_db_worst_per_gemm": {g: _finite(v) for g, v in self.worst.items() if g in self.measured()},
             "measured_gemms": self.measured(),
             "shape": {"M": round(self.mean_rows), "K": self.in_features, "N": self.out_features},
             "gemms": gemms,
