@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import re
@@ -14,13 +13,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import SCRIPTS, run_script
+from helpers.fp8_agreement import against_torchao
 from helpers.wandb_records import find_run_file, history_rows, summary_values
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from lightning_ett import FP8Probe, summarize_run_dir
 from lightning_ett.fp8.cast import Gemm, Recipe, cast, fp8_mm, matmul, sqnr_db
-from lightning_ett.fp8.probe import compute_dtype, measure_backward, measure_output, sample_forward
+from lightning_ett.fp8.probe import sample_forward
 
 JOB = str(SCRIPTS / "fp8_job.py")
 ORDINARY = ("mid", "wide", "head")
@@ -176,39 +176,18 @@ PRECISIONS = {"32-true": (torch.float32, None), "bf16-mixed": (torch.float32, to
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_the_probes_sqnr_is_torchaos_float8linear_sqnr_under_each_precision(precision, recipe):
     """Each GEMM's predicted SQNR against the SQNR of torchao's real Float8Linear output and gradients, on the same
-    tensors, under the precision (autocast's dtype, or the parameters'). Tolerance: 0.5 dB.
-
-    torchao's Float8Linear reads CUDA's autocast state only ("hardcode to GPU's autocast dtype", float8_linear.py):
-    on a GPU under mixed precision it casts its input to autocast's dtype first. On this CPU it is given the input in
-    that dtype, which is what it does there."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
+    tensors, under the precision (autocast's dtype, or the parameters'). Tolerance: 0.5 dB. (torchao is given its
+    input in autocast's dtype, as it casts it on a GPU: helpers/fp8_agreement.py.)"""
     param_dtype, autocast = PRECISIONS[precision]
     torch.manual_seed(0)
-    reference = nn.Linear(256, 128, bias=False).to(param_dtype)
-    fp8 = convert_to_float8_training(nn.Sequential(copy.deepcopy(reference)),
-                                     config=Float8LinearConfig.from_recipe_name(recipe))[0]
+    layer = nn.Linear(256, 128, bias=False).to(param_dtype)
     x = torch.randn(512, 256, dtype=param_dtype)
     x[:, :4] *= 50  # a few larger channels, as real activations have
-    grad = torch.randn(512, 128) * 1e-3
-    seen = {}
-    for name, layer in (("reference", reference), ("torchao", fp8)):
-        inp = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            out = layer(inp if name == "reference" or autocast is None else inp.to(autocast))
-            if name == "reference":
-                dtype = compute_dtype(inp, out)
-        assert out.dtype == (autocast or param_dtype)
-        out.backward(grad.to(out.dtype))
-        seen[name] = {"output": out.detach(), "grad_input": inp.grad, "grad_weight": layer.weight.grad}
-    assert dtype == (autocast or param_dtype)
-    measured = {g: sqnr_db(seen["reference"][g], seen["torchao"][g]) for g in seen["reference"]}
-    r = Recipe.from_torchao(recipe)
-    sample = sample_forward(x, reference.weight.detach(), dtype, r, None, torch.Generator())
-    predicted = {"output": measure_output(sample, r).sqnr}
-    predicted.update({m.gemm.value: m.sqnr for m in measure_backward(sample, grad.to(dtype), r, True, True)})
-    for gemm, value in measured.items():
-        assert abs(predicted[gemm] - value) <= 0.5, (gemm, predicted, measured)
+    found = against_torchao(layer, x, torch.randn(512, 128) * 1e-3, recipe, autocast)
+    assert found.compute_dtype == (autocast or param_dtype)
+    assert found.output_dtypes == {"reference": autocast or param_dtype, "torchao": autocast or param_dtype}
+    for gemm, value in found.measured.items():
+        assert abs(found.predicted[gemm] - value) <= 0.5, (gemm, found.predicted, found.measured)
 
 
 def test_a_sample_keeps_max_rows_of_the_activation_not_the_activation():

@@ -56,7 +56,6 @@ fixed-sample binomial tests, not a sequential one with an autocorrelation weight
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -92,26 +91,6 @@ class RunningStats:
     def from_list(cls, values: list[float]) -> RunningStats:
         count, total, total_sq = (float(v) for v in values)
         return cls(count, total, total_sq)
-
-
-def lag1_autocorrelation(values: list[float]) -> float:
-    """The lag-1 autocorrelation of a series (0 below 3 values or with no variance)."""
-    n = len(values)
-    if n < 3:
-        return 0.0
-    mean = sum(values) / n
-    centred = [v - mean for v in values]
-    var = sum(c * c for c in centred)
-    if var <= 0:
-        return 0.0
-    return sum(a * b for a, b in itertools.pairwise(centred)) / var
-
-
-def significant_autocorrelation(values: list[float]) -> float:
-    """The lag-1 autocorrelation where it is distinguishable from noise (above ``2 / sqrt(n)``, the 95 % band of an
-    independent series), else 0: a noisy estimate would otherwise ask independent windows for up to twice the plan."""
-    rho = lag1_autocorrelation(values)
-    return min(rho, MAX_RHO) if rho > 2 / math.sqrt(max(len(values), 1)) else 0.0
 
 
 FALSE_UNSAFE = 0.1  # alpha: how often a layer with a bad share of tail / 5 is called unsafe
@@ -195,8 +174,12 @@ def decide(series: list[tuple[int, float]], threshold_db: float, tail: float, co
     quantile = ordered[min(int(tail * len(ordered)), len(ordered) - 1)] if ordered else None
     return Decision(verdict, len(series), needed, rho, safe_at, unsafe_at, bad_windows, bad_db,
                     min(values) if values else None, quantile)
+
+
 class _Lag1:
-    """:func:`significant_autocorrelation` of a growing series in O(1) a value (the replay above looks at every prefix)."""
+    """The lag-1 autocorrelation of a growing series, in O(1) a value (the replay above looks at every prefix), where it
+    is distinguishable from noise (above ``2 / sqrt(n)``, the 95 % band of an independent series; else 0: a noisy
+    estimate would otherwise ask independent windows for up to twice the plan), clamped to ``MAX_RHO``."""
 
     def __init__(self) -> None:
         self.n, self.total, self.total_sq, self.cross, self.first, self.last = 0, 0.0, 0.0, 0.0, 0.0, 0.0

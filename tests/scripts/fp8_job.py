@@ -118,12 +118,7 @@ def agreement(model: Any, recipe: str) -> dict[str, dict[str, list[float]]]:
     """Per Linear of the trained planted model, on a held-out batch under the run's precision: each GEMM's SQNR as the
     probe predicts it and as torchao's own Float8Linear (a converted copy of the layer, the same weights) gives it,
     from the same input and the same output gradient."""
-    import copy
-
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from lightning_ett.fp8.cast import Recipe, sqnr_db
-    from lightning_ett.fp8.probe import compute_dtype, measure_backward, measure_output, sample_forward
+    from tests.helpers.fp8_agreement import against_torchao
 
     autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(PRECISION)
     x_batch, _ = OutlierBatches(batch_size=256, outlier_scale=OUTLIER_SCALE, seed=98, rank=0).batch(0)
@@ -134,31 +129,12 @@ def agreement(model: Any, recipe: str) -> dict[str, dict[str, list[float]]]:
         model(x_batch)
     for handle in handles:
         handle.remove()
-    r = Recipe.from_torchao(recipe)
     out: dict[str, dict[str, list[float]]] = {}
     for fqn, layer in model.named_modules():
-        if not isinstance(layer, nn.Linear):
-            continue
-        x = inputs[fqn].float()
-        gemm_only = copy.deepcopy(layer)
-        gemm_only.bias = None  # the GEMM alone: an output rounded with a large bias in it would hide its error
-        fp8 = convert_to_float8_training(nn.Sequential(copy.deepcopy(gemm_only)),
-                                         config=Float8LinearConfig.from_recipe_name(recipe))[0]
-        grad = torch.randn(x.shape[0], layer.out_features, generator=torch.Generator().manual_seed(0)) * 1e-3
-        seen = {}
-        for name, lin in (("reference", gemm_only), ("torchao", fp8)):
-            inp = x.clone().requires_grad_(True)
-            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                # (torchao reads CUDA's autocast state only: on a GPU it casts its input to autocast's dtype first)
-                y = lin(inp if name == "reference" or autocast is None else inp.to(autocast))
-                if name == "reference":
-                    dtype = compute_dtype(inp, y)
-            y.backward(grad.to(y.dtype))
-            seen[name] = {"output": y.detach(), "grad_input": inp.grad, "grad_weight": lin.weight.grad}
-        sample = sample_forward(x, layer.weight.detach(), dtype, r, None, torch.Generator())
-        predicted = {"output": measure_output(sample, r).sqnr}
-        predicted.update({m.gemm.value: m.sqnr for m in measure_backward(sample, grad.to(dtype), r, True, True)})
-        out[fqn] = {g: [predicted[g], sqnr_db(seen["reference"][g], seen["torchao"][g])] for g in predicted}
+        if isinstance(layer, nn.Linear):
+            grad = torch.randn(inputs[fqn].shape[0], layer.out_features, generator=torch.Generator().manual_seed(0)) * 1e-3
+            found = against_torchao(layer, inputs[fqn].float(), grad, recipe, autocast)
+            out[fqn] = {g: [found.predicted[g], found.measured[g]] for g in found.predicted}
     return out
 
 
@@ -275,10 +251,15 @@ def user(args: argparse.Namespace) -> None:
                 max_steps=args.steps, logger=False, callbacks=[fp8_probe], enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
     t.fit(UserModel())
-    out = {"results": fp8_probe.results, "windows": {f: sorted(r.windows.items()) for f, r in fp8_probe._records.items()},
-           "threshold": fp8_probe.sqnr_threshold_db, "tail": fp8_probe.tail, "confidence": fp8_probe.confidence,
-           "samples_taken": fp8_probe.samples_taken}
-    Path(args.out, f"rank{t.global_rank}.json").write_text(json.dumps(out))
+    write_rank(args.out, t.global_rank, fp8_probe)
+
+
+def write_rank(out: Path, rank: int, fp8_probe: FP8Probe, **extra: Any) -> None:
+    """This rank's view: the combined results, its own windows, and the test's parameters."""
+    record = {"results": fp8_probe.results, "windows": {f: sorted(r.windows.items()) for f, r in fp8_probe._records.items()},
+              "threshold": fp8_probe.sqnr_threshold_db, "tail": fp8_probe.tail, "confidence": fp8_probe.confidence,
+              "samples_taken": fp8_probe.samples_taken, **extra}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
 def dlrm(args: argparse.Namespace) -> None:
@@ -296,10 +277,7 @@ def dlrm(args: argparse.Namespace) -> None:
     model = DLRMModule(num_embeddings=1000, embedding_dim=16, dense_arch_layer_sizes=[64, 16],
                        over_arch_layer_sizes=[64, 32, 1])
     t.fit(model, datamodule=RandomCriteoDataModule(batch_size=128, num_embeddings=1000, num_train_batches=args.steps + 5))
-    out = {"results": fp8_probe.results, "windows": {f: sorted(r.windows.items()) for f, r in fp8_probe._records.items()},
-           "dense": len(DEFAULT_INT_NAMES), "threshold": fp8_probe.sqnr_threshold_db, "tail": fp8_probe.tail,
-           "confidence": fp8_probe.confidence}
-    Path(args.out, f"rank{t.global_rank}.json").write_text(json.dumps(out))
+    write_rank(args.out, t.global_rank, fp8_probe, dense=len(DEFAULT_INT_NAMES))
 
 
 def main() -> None:
