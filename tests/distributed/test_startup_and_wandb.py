@@ -19,8 +19,11 @@ def test_a_slow_logger_start_is_logger_init_not_process_group_init(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     per_rank = summarize_run_dir(tmp_path / "run").per_rank
     # Rank 0 creates the experiment (rank_zero_experiment): its 2 s are logger_init, less only what
-    # the process group's own work hid; the process group keeps just its own time on every rank.
-    assert 1.4 <= per_rank[0]["logger_init"] <= 3.0, per_rank[0]
+    # the start-up work it overlapped hid (that share grows with host load, so they are bounded
+    # together); the process group keeps just its own time on every rank.
+    assert 1.0 <= per_rank[0]["logger_init"] <= 3.0, per_rank[0]
+    overlapped = sum(per_rank[0][p] for p in ("logger_init", "process_group_init", "sharding_plan"))
+    assert overlapped >= 1.9, per_rank[0]
     for rank in (0, 1):
         assert per_rank[rank]["process_group_init"] < 1.0, per_rank[rank]
         assert per_rank[rank]["trainer_init"] > 0, per_rank[rank]
