@@ -27,7 +27,7 @@ from lightning_ett.durable.files import atomic_write_text
 from lightning_ett.fp8.cast import RECIPES, Recipe
 from lightning_ett.fp8.eligible import eligible
 from lightning_ett.fp8.probe import LayerRecord, combine, compute_dtype, measure_backward, measure_output, sample_forward
-from lightning_ett.fp8.stats import SAFE, UNDECIDED, UNSAFE
+from lightning_ett.fp8.stats import SAFE, UNDECIDED, UNSAFE, Decision
 from lightning_ett.instrument.environment import ENV_RUN_DIR
 from lightning_ett.instrument.timeline import FP8_FACT, get_timeline
 
@@ -89,9 +89,13 @@ class FP8Probe(Callback):
 
     Under ``torch.compile``, hooks added after compilation do not run (Dynamo skips nn.Module
     hook guards), so a compiled module is not measured; the probe warns once when a sampled step
-    ran none of its hooks. Probe an eager run. A resumed multi-rank run keeps rank 0's windows
-    from before the checkpoint (Lightning saves rank 0's callback state); the other ranks'
-    earlier windows are not in the verdict.
+    ran none of its hooks. Probe an eager run. Lightning writes rank 0's callback state, so at
+    each checkpoint the ranks' windows are combined (one all-gather in ``on_save_checkpoint``,
+    which every rank runs) and a resumed run goes on from the whole job's windows.
+
+    On CUDA the probe's timer starts after the device has finished the work already queued
+    (``torch.cuda.synchronize`` at a sampled layer; the probe's own results sync it anyway), so
+    the training step's kernels are not charged to the probe.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class FP8Probe(Callback):
         self.sampled_steps: list[int] = []  # the global steps this rank sampled at (this fit)
         self.turned_unsafe: list[dict[str, Any]] = []  # safe layers a re-check found bad, on this rank (this fit)
         self._restored: dict[str, Any] | None = None
+        self._prior: dict[str, LayerRecord] = {}  # ranks other than 0: the job's windows at the resumed checkpoint
         self._overheads: list[float] = []  # each rank's measured overhead, known at the end of fit
 
     # ------------------------------------------------------------------ set-up
@@ -161,6 +166,7 @@ class FP8Probe(Callback):
         self._records = {fqn: LayerRecord(fqn, m.in_features, m.out_features, self.sqnr_threshold_db)
                          for fqn, m in self._layers.items()}
         self._local = dict.fromkeys(self._selected, UNDECIDED)
+        self._prior = {}
         self._generator = torch.Generator().manual_seed(trainer.global_rank)  # which rows a sample measures
 
     def _select(self, pl_module: pl.LightningModule) -> list[str]:
@@ -184,14 +190,17 @@ class FP8Probe(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
-        if restored and trainer.global_rank == 0:  # every rank loaded rank 0's windows: one copy of them counts
-            for fqn, vector in restored.get("records", {}).items():
-                record = self._records.get(fqn)
-                if record is not None and len(vector) == len(record.to_vector()):  # (a record of this version)
-                    self._records[fqn] = LayerRecord.from_vectors(fqn, record.in_features, record.out_features,
-                                                                  self.sqnr_threshold_db, [vector])
+        for fqn, vector in (restored or {}).get("records", {}).items():  # the job's windows at the checkpoint
+            record = self._records.get(fqn)
+            if record is not None and len(vector) == len(record.to_vector()):  # (a record of this version)
+                loaded = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, self.sqnr_threshold_db,
+                                                  [vector])
+                if trainer.global_rank == 0:  # rank 0 carries them on: one copy counts in the job's verdict
+                    self._records[fqn] = loaded
+                else:  # the others decide what to sample with them in view, and report only their own
+                    self._prior[fqn] = loaded
         for fqn in self._selected:
-            self._local[fqn] = self._records[fqn].decision(self.tail, self.confidence).verdict
+            self._local[fqn] = self._decision(fqn).verdict
         self._last_global_step = trainer.global_step
 
     # ------------------------------------------------------------------ sampling
@@ -227,11 +236,11 @@ class FP8Probe(Callback):
         record = self._records[fqn]
 
         def hook(module: nn.Linear, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> None:
-            start = time.perf_counter()
             self._hooks_fired += 1
             x = args[0] if args else kwargs.get("input")
             if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.numel() == 0:
                 return  # (a layer given no rows this step, e.g. an expert no token chose: nothing to measure)
+            start = _settled_clock(x)
             record.observe_rows(x.numel() // max(module.in_features, 1))
             if probe:
                 rows = x.detach().reshape(-1, module.in_features)
@@ -245,7 +254,7 @@ class FP8Probe(Callback):
                 if torch.is_grad_enabled() and output.requires_grad and (grad_input or grad_weight):
 
                     def on_grad(grad: torch.Tensor) -> None:
-                        began = time.perf_counter()
+                        began = _settled_clock(grad)
                         grad_rows = grad.detach().reshape(-1, module.out_features)
                         record.observe_amax("grad_output", grad_rows)
                         for result in measure_backward(sample, grad_rows, self._recipe, grad_input, grad_weight):
@@ -297,7 +306,7 @@ class FP8Probe(Callback):
         for fqn, before in self._local.items():
             if before == UNSAFE:
                 continue
-            found = self._records[fqn].decision(self.tail, self.confidence)
+            found = self._decision(fqn)
             self._local[fqn] = found.verdict
             if before == SAFE and found.verdict == UNSAFE:
                 event = {"layer": fqn, "step": trainer.global_step - 1, "sqnr_db": found.bad_db, "rank": trainer.global_rank}
@@ -309,6 +318,10 @@ class FP8Probe(Callback):
             counts = {f"fp8/{v}_layers": float(sum(x == v for x in self._local.values())) for v in (SAFE, UNSAFE, UNDECIDED)}
             for logger in trainer.loggers:
                 logger.log_metrics(counts, step=trainer.global_step)
+
+    def _decision(self, fqn: str) -> Decision:
+        """This rank's view of a layer: its own windows, after the job's from the checkpoint it resumed from."""
+        return self._records[fqn].decision(self.tail, self.confidence, self._prior.get(fqn))
 
     def _interval(self, sample_cost_s: float) -> int:
         """Steps to the next sample: at least ``every_n_steps``; enough that a sample's cost is ``max_overhead`` of
@@ -485,6 +498,18 @@ class FP8Probe(Callback):
 
     # ------------------------------------------------------------------ state
     @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Put the whole job's windows where Lightning keeps rank 0's state: every rank runs this hook (as it runs
+        ``dump_checkpoint``), so one all-gather here is collective; a resumed run then restores every rank's
+        windows, not just rank 0's."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None or not self._records or trainer.world_size < 2:
+            return
+        local = torch.tensor([record.to_vector() for record in self._records.values()], dtype=torch.float64)
+        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).cpu()
+        state["records"] = {f: r.to_vector() for f, r in combine(self._records, gathered).items()}
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"records": {f: r.to_vector() for f, r in self._records.items()}, "next_sample_step": self.next_sample_step,
                 "opportunities": self.opportunities, "probe_s": self.probe_s, "train_s": self.train_s,
@@ -499,6 +524,16 @@ class FP8Probe(Callback):
         self.train_steps = int(state_dict.get("train_steps", 0))
         self.samples_taken = int(state_dict.get("samples_taken", 0))
         self._restored = state_dict  # the windows: applied on rank 0 only, at train start
+
+
+def _settled_clock(tensor: torch.Tensor) -> float:
+    """``perf_counter()`` once the device has run what is queued before ``tensor`` (CUDA; on CPU the work is done).
+
+    Without it the probe's first result read waits for the training step's queued kernels and the wait counts as
+    the probe's time: overhead overstated, samples rarer than the budget allows."""
+    if tensor.is_cuda:  # GPU only: CUDA kernels run asynchronously to the host
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
 
 
 def _validate(every_n_steps: Any, threshold: Any, tail: Any, confidence: Any, max_overhead: Any, recipe: Any) -> None:

@@ -182,11 +182,18 @@ class LayerRecord:
             self.dropped += 1
             self.dropped_bad += not self.windows.pop(oldest) >= self.threshold_db
 
-    def decision(self, tail: float, confidence: float) -> Decision:
-        found = decide(sorted(self.windows.items()), self.threshold_db, tail, confidence)
-        if self.dropped:
-            found = replace(found, windows=found.windows + int(self.dropped),
-                            bad_windows=found.bad_windows + int(self.dropped_bad))
+    def decision(self, tail: float, confidence: float, prior: LayerRecord | None = None) -> Decision:
+        """The verdict on this record's windows, and on ``prior``'s before them (a rank that resumed with the job's
+        windows of the last checkpoint, kept apart so that only one rank reports them)."""
+        windows, dropped, dropped_bad = self.windows, self.dropped, self.dropped_bad
+        if prior is not None:
+            windows = dict(prior.windows)
+            for window, value in self.windows.items():
+                windows[window] = min(windows.get(window, value), value)
+            dropped, dropped_bad = dropped + prior.dropped, dropped_bad + prior.dropped_bad
+        found = decide(sorted(windows.items()), self.threshold_db, tail, confidence)
+        if dropped:
+            found = replace(found, windows=found.windows + int(dropped), bad_windows=found.bad_windows + int(dropped_bad))
         return found
 
     # ---------------------------------------------------------------- the flat vector ranks exchange

@@ -59,3 +59,27 @@ def test_under_bf16_mixed_a_users_configure_model_and_frozen_layers_are_probed(s
     results = check_combined([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)])
     assert sorted(results) == ["body.0", "body.2", "body.4", "proj"]
     assert results["proj"]["measured_gemms"] == ["output"]
+
+
+def test_a_resumed_run_goes_on_from_every_ranks_windows(tmp_path):
+    """Lightning writes rank 0's callback state; the probe puts the whole job's windows there, so rank 1's
+    windows from before the checkpoint still count after a resume."""
+    probe_args = json.dumps({"every_n_steps": 5, "max_overhead": 0.9})
+    common = ("user", "--devices", "2", "--strategy", "ddp", "--probe-args", probe_args)
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = launch(JOB, *common, "--steps", "30", "--out", str(first), "--save", str(tmp_path / "step30.ckpt"),
+                  run_dir=tmp_path / "run1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = launch(JOB, *common, "--steps", "60", "--out", str(second), "--resume", str(tmp_path / "step30.ckpt"),
+                  run_dir=tmp_path / "run2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    before = [json.loads((first / f"rank{r}.json").read_text()) for r in range(2)]
+    after = [json.loads((second / f"rank{r}.json").read_text()) for r in range(2)]
+    for fqn, result in after[0]["results"].items():
+        job_before = merged(before, fqn)
+        assert job_before != sorted(map(tuple, before[0]["windows"][fqn]))  # rank 1 saw other values: it matters
+        carried = [w for w in map(tuple, after[0]["windows"][fqn]) if w[0] < 6]  # rank 0 carries the job's windows on
+        assert carried == job_before, fqn
+        assert all(w[0] >= 6 for w in after[1]["windows"][fqn])  # ... rank 1 reports only its own, new ones
+        series = merged(before + after, fqn)
+        assert result["samples"] == len(series) and result["sqnr_db_worst"] == min(v for _, v in series), fqn

@@ -250,7 +250,9 @@ def user(args: argparse.Namespace) -> None:
     t = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision,
                 max_steps=args.steps, logger=False, callbacks=[fp8_probe], enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(args.out))
-    t.fit(UserModel())
+    t.fit(UserModel(), ckpt_path=args.resume)
+    if args.save:
+        t.save_checkpoint(args.save)  # (every rank, as Lightning asks)
     write_rank(args.out, t.global_rank, fp8_probe)
 
 
@@ -295,6 +297,8 @@ def main() -> None:
     p.add_argument("--model", choices=["planted", "dlrm"], default="planted")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--save", default=None, help="user mode: a checkpoint to save after fit")
+    p.add_argument("--resume", default=None, help="user mode: the checkpoint to resume from")
     p.add_argument("--emulate", action="store_true", help="train mode: this package's FP8 emulation, not torchao's")
     p.add_argument("--outlier-scale", type=float, default=1e5, help="the planted model's outlier features")
     p.add_argument("--seed", type=int, default=0, help="the planted model's data")
