@@ -1,7 +1,9 @@
 """FP8Probe: what it costs the training loop, what it finds, and whether its verdict flips where FP8 starts to hurt.
 
-    .venv/bin/python benchmarks/fp8_probe.py [--rounds 3] [--steps 3000] [--precision bf16-mixed]
+    .venv/bin/python benchmarks/fp8_probe.py [--rounds 3] [--steps 3000] [--precision bf16-mixed] [--batch-size 256]
                                              [--sweep 10 100 1000 10000 100000] [--seeds 0 1 2] [--skip-overhead]
+
+(``--sweep`` with no scale: no sweep. ``--batch-size``: the overhead arms' batches; 1024 makes steps of ~10 ms.)
 
 **Overhead** (the goal's own metric: the training loop with the probe ÷ without, goal <= 1.02). The
 planted-outlier MLP (examples/fp8_outliers.py), ``--steps`` steps under ``--precision``. Every
@@ -48,7 +50,7 @@ def job(*args: str) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-def overhead(tmp: Path, rounds: int, steps: int, precision: str) -> dict:
+def overhead(tmp: Path, rounds: int, steps: int, precision: str, batch_size: int) -> dict:
     with_ratio, aa_ratio, last = [], [], {}
     for r in range(rounds):
         order = ARMS[r % 3:] + ARMS[:r % 3]  # rotate: each arm takes each position once in 3 rounds
@@ -59,14 +61,17 @@ def overhead(tmp: Path, rounds: int, steps: int, precision: str) -> dict:
             seen += arm == "none"
         out = tmp / f"overhead-{r}"
         out.mkdir()
-        last = job("probe", "--arms", ",".join(order), "--steps", str(steps), "--precision", precision, "--out", str(out))
+        last = job("probe", "--arms", ",".join(order), "--steps", str(steps), "--precision", precision,
+                   "--batch-size", str(batch_size), "--out", str(out))
         loops = dict(zip(labels, last["loop_s"]))
         with_ratio.append(loops["with"] / loops["A"])
         aa_ratio.append(loops["A'"] / loops["A"])
         print(f"round {r + 1} ({' '.join(labels)}): loops " + ", ".join(f"{k} {v:.2f}s" for k, v in loops.items())
               + f"; with/A {with_ratio[-1]:.3f}, A'/A {aa_ratio[-1]:.3f}; the probe's own share "
               f"{100 * last['overhead']:.2f} %, {last['samples_taken']} samples", flush=True)
-    print(f"\n## overhead: planted model, {steps} steps, {precision}, {rounds} rounds\n")
+    step_ms = 1e3 * statistics.median(last["step_s_with"])
+    print(f"\n## overhead: planted model, batch {batch_size}, {steps} steps (~{step_ms:.1f} ms each), {precision}, "
+          f"{rounds} rounds\n")
     print(f"training loop with FP8Probe ÷ without: **{median_range(with_ratio, '.3f')}** {[round(x, 3) for x in with_ratio]}"
           f" (goal <= 1.02: {'met' if statistics.median(with_ratio) <= 1.02 else 'NOT met'})")
     print(f"A/A control (without ÷ without): {median_range(aa_ratio, '.3f')} {[round(x, 3) for x in aa_ratio]}\n")
@@ -111,10 +116,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sweep-steps", type=int, default=1500)
     parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=256)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ett-fp8-") as tmp:
         if not args.skip_overhead:
-            overhead(Path(tmp), args.rounds, args.steps, args.precision)
+            overhead(Path(tmp), args.rounds, args.steps, args.precision, args.batch_size)
         if args.sweep:
             sweep(Path(tmp), args.sweep, args.seeds, args.sweep_steps, args.precision)
 

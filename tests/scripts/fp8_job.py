@@ -33,13 +33,13 @@ from torch import nn
 from examples.fp8_outliers import OutlierBatches, OutlierData, OutlierMLP
 from lightning_ett import ETTMonitor, FP8Probe, emulate_float8_training
 
-OUTLIER_SCALE, DATA_SEED = 1e5, 0  # --outlier-scale, --seed
+OUTLIER_SCALE, DATA_SEED, BATCH_SIZE = 1e5, 0, 256  # --outlier-scale, --seed, --batch-size
 
 
 def make(name: str) -> tuple[Any, Any]:
     """A fresh model and its data: the planted-outlier MLP, or the example DLRM (one process, tables unsharded)."""
     if name == "planted":
-        return OutlierMLP(), OutlierData(outlier_scale=OUTLIER_SCALE, seed=DATA_SEED)
+        return OutlierMLP(), OutlierData(batch_size=BATCH_SIZE, outlier_scale=OUTLIER_SCALE, seed=DATA_SEED)
     from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 
     return DLRMModule(num_embeddings=5000), RandomCriteoDataModule(batch_size=512, num_embeddings=5000)
@@ -302,10 +302,11 @@ def main() -> None:
     p.add_argument("--emulate", action="store_true", help="train mode: this package's FP8 emulation, not torchao's")
     p.add_argument("--outlier-scale", type=float, default=1e5, help="the planted model's outlier features")
     p.add_argument("--seed", type=int, default=0, help="the planted model's data")
+    p.add_argument("--batch-size", type=int, default=256, help="the planted model's training batches")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global PRECISION, OUTLIER_SCALE, DATA_SEED
-    PRECISION, OUTLIER_SCALE, DATA_SEED = args.precision, args.outlier_scale, args.seed
+    global PRECISION, OUTLIER_SCALE, DATA_SEED, BATCH_SIZE
+    PRECISION, OUTLIER_SCALE, DATA_SEED, BATCH_SIZE = args.precision, args.outlier_scale, args.seed, args.batch_size
     if args.mode in ("dlrm", "user"):
         (dlrm if args.mode == "dlrm" else user)(args)
         return
