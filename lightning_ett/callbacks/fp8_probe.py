@@ -21,6 +21,7 @@ from lightning.pytorch.loggers import WandbLogger
 from torch import nn
 from typing_extensions import override
 
+from lightning_ett.callbacks.collectives import all_gather
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.durable.files import atomic_write_text
@@ -353,9 +354,7 @@ class FP8Probe(Callback):
         vectors = [record.to_vector() for record in self._records.values()]
         timing = [self.probe_s, self.train_s, float(self.samples_taken), float(self.train_steps)]
         local = torch.tensor(vectors + [timing + [0.0] * (len(vectors[0]) - len(timing))], dtype=torch.float64)
-        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).cpu()  # the one collective
-        if gathered.dim() == 2:  # a single process
-            gathered = gathered.unsqueeze(0)
+        gathered = all_gather(trainer, local).cpu()  # the one collective
         combined = combine(self._records, gathered[:, :-1])
         per_rank = gathered[:, -1, :len(timing)]
         self._overheads = [float(p[0] / p[1]) if p[1] else 0.0 for p in per_rank]
@@ -506,7 +505,7 @@ class FP8Probe(Callback):
         if state is None or not self._records or trainer.world_size < 2:
             return
         local = torch.tensor([record.to_vector() for record in self._records.values()], dtype=torch.float64)
-        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).cpu()
+        gathered = all_gather(trainer, local).cpu()
         state["records"] = {f: r.to_vector() for f, r in combine(self._records, gathered).items()}
 
     @override

@@ -8,13 +8,13 @@ rank, for tests and benchmarks.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_ett.callbacks.collectives import all_gather
 from lightning_ett.instrument.step_health import StepHealth
 from lightning_ett.instrument.timeline import STRAGGLER_FACT, get_timeline
 from lightning_ett.lifecycle.faults import SlowFault
@@ -66,13 +66,11 @@ class StragglerProbe:
     def _gather(self, trainer: pl.Trainer, stamps: WindowStamps, health: StepHealth) -> None:
         row = torch.tensor(stamps.row(), dtype=torch.float64, device=trainer.strategy.root_device)
         first = not stamps.leaves
-        with warnings.catch_warnings():  # torch deprecates what Lightning's all_gather calls: nothing for a user to do
-            warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
-            rows = trainer.strategy.all_gather(row).cpu().numpy()  # the copy waits for the gather to complete
-            stamps.restart(time.perf_counter())  # the instant this rank left the gather: the next window's origin
-            for _ in range(ORIGIN_GATHERS - 1 if first else 0):  # more samples of the clock offsets, once
-                trainer.strategy.all_gather(row[:1]).cpu()
-                stamps.left(time.perf_counter())
+        rows = all_gather(trainer, row).cpu().numpy()  # the copy waits for the gather to complete
+        stamps.restart(time.perf_counter())  # the instant this rank left the gather: the next window's origin
+        for _ in range(ORIGIN_GATHERS - 1 if first else 0):  # more samples of the clock offsets, once
+            all_gather(trainer, row[:1]).cpu()
+            stamps.left(time.perf_counter())
         if not trainer.is_global_zero:
             return
         window = window_scores(rows.reshape(trainer.world_size, -1))

@@ -2,17 +2,18 @@
 
 One place so that the single-process case stays quiet without touching the process's
 warning filters: DCP warns "assuming the intent is to save/load in a single process" on
-every call without a process group. Writes call DCP's ``_save_state_dict`` (what
-``dcp.save`` calls after that warning) directly, since they run on a background thread,
-where ``warnings.catch_warnings`` would race the training thread's filters; whole-tensor
-reads run on the calling thread inside ``catch_warnings``.
+every call without a process group. There this module calls what ``dcp.save``, ``dcp.load``
+and ``_load_state_dict_from_keys`` call after that warning (``_save_state_dict``,
+``_load_state_dict`` with ``no_dist=True``) directly. Not ``warnings.catch_warnings``: it
+races other threads' filters (writes run on a background thread), and leaving it resets
+Python's show-once registry, so every warning the process had shown once (torch's
+deprecations at each save) is printed again.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,12 +21,10 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_ett.durable.manifest import ChecksummingWriter, drop_from_cache
-
-_SINGLE_PROCESS = ".*assuming the intent is to (save|load) in a single process"
 
 
 class _ChecksummingFileSystem(FileSystem):
@@ -60,7 +59,7 @@ def write(state: dict[str, Any], directory: Path, group: Any | None = None, coll
     """
     writer = FileSystemWriter(directory, sync_files=True, **({"per_thread_copy_ahead": 0} if staged else {}))
     writer.fs = filesystem = _ChecksummingFileSystem()
-    if collective and dist.is_available() and dist.is_initialized():
+    if collective and _distributed():
         dcp.save(state, storage_writer=writer, process_group=group)
     else:
         from torch.distributed.checkpoint.state_dict_saver import _save_state_dict, _stateful_to_state_dict
@@ -75,18 +74,26 @@ def read_whole(directory: Path, key: str) -> dict[str, Any]:
     DCP's metadata knows each tensor's full shape. ``_load_state_dict_from_keys`` is private
     but is what ``dcp_to_torch_save`` uses; the public function would read every entry.
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, _load_state_dict_from_keys
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+    if _distributed():
         return _load_state_dict_from_keys(keys={key}, checkpoint_id=str(directory))[key]
+    state: dict[str, Any] = {}
+    _load_state_dict(state_dict=state, storage_reader=FileSystemReader(directory), no_dist=True,
+                     planner=_EmptyStateDictLoadPlanner(keys={key}))
+    return state[key]
 
 
 def load_into(target: dict[str, Any], directory: Path) -> None:
     """Fill ``target``'s tensors (sharded ones included, resharded as needed) from the checkpoint."""
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dcp.load(target, checkpoint_id=str(directory))
         return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        dcp.load(target, checkpoint_id=str(directory))
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state_dict=target, storage_reader=FileSystemReader(directory), no_dist=True)  # in place: plain dicts
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.remote_device import _remote_device
@@ -75,8 +75,8 @@ def validate_group_size(size: int | None, world_size: int) -> int | None:
         raise ConfigurationError(f"ETTStrategy(sharding_group_size={size}) does not divide the job's {world_size} ranks: every "
                                  f"replica must be a whole sharding group. Pass one of {divisors}.")
     if size == world_size:
-        warnings.warn(f"ETTStrategy(sharding_group_size={size}) equals the number of ranks: one sharding group, no "
-                      "replicas. This is 1D sharding; running it as such.", stacklevel=3)
+        rank_zero_warn(f"ETTStrategy(sharding_group_size={size}) equals the number of ranks: one sharding group, no "
+                       "replicas. This is 1D sharding; running it as such.", stacklevel=3)  # (every rank validates)
         return None
     return size
 

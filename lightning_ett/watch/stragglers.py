@@ -37,7 +37,6 @@ is slower than its peers' (its host is not) is not seen either.
 from __future__ import annotations
 
 import math
-import warnings
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
@@ -145,13 +144,24 @@ def window_scores(rows: Any) -> WindowScores | None:
     with np.errstate(invalid="ignore"):
         late_forward = forward - forward.min(axis=0)  # all-nan without forward stamps (manual optimization)
     late = np.fmax(late_ready, late_forward)  # fmax: a missing point leaves the other
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-nan slice (no forward stamps) is expected
-        scores = np.nanmedian(late, axis=1)
-        data_scores = np.nanmedian(late_ready, axis=1)
-        step_s = float(np.nanmedian(np.diff(earliest))) if count >= 2 else math.nan
+    scores = _row_medians(late)
+    data_scores = _row_medians(late_ready)
+    step_s = float(_row_medians(np.diff(earliest)[None, :])[0]) if count >= 2 else math.nan
     clean = tuple(float(s) if math.isfinite(s) else 0.0 for s in scores)
     return WindowScores(clean, tuple(float(s) if math.isfinite(s) else 0.0 for s in data_scores), count, step_s)
+
+
+def _row_medians(values: np.ndarray) -> np.ndarray:
+    """Each row's median over its non-nan entries; nan for a row with none (no forward stamps, manual optimization).
+
+    Not ``np.nanmedian``: it warns on an all-nan row, and silencing that with ``warnings.catch_warnings``
+    resets Python's show-once registry, so every warning the process showed once is printed again."""
+    medians = np.full(values.shape[0], math.nan)
+    for i, row in enumerate(values):
+        finite = row[~np.isnan(row)]
+        if finite.size:
+            medians[i] = np.median(finite)
+    return medians
 
 
 def _origin_errors(leaves: np.ndarray) -> np.ndarray:

@@ -60,8 +60,10 @@ def test_a_rank_that_never_enqueued_the_collective_its_peer_waits_for_is_named(t
         while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.time() < deadline:
             assert pair.poll() is None
             time.sleep(0.1)
-        time.sleep(0.5)  # rank 0 is in its fourth all-reduce
         statuses = flight_recorder.request(token, 3, [0, 1, 2])
+        while not (statuses[0] is not None and statuses[0].waiting) and time.time() < deadline:
+            time.sleep(0.2)  # until rank 0 is in its fourth all-reduce (a loaded host takes a while to get there)
+            statuses = flight_recorder.request(token, 3, [0, 1, 2])
         assert statuses[2] is None  # no such rank serves: no answer, no wait beyond the timeout
         s0, s1 = statuses[0], statuses[1]
         assert s0 is not None and s1 is not None

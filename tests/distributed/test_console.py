@@ -1,0 +1,46 @@
+"""What a user reads: the example's console under `lightning run` (2 real gloo ranks), as a user would run it."""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+
+import yaml
+from conftest import REPO, lightning_run
+
+EXAMPLE = REPO / "examples" / "dlrm_example.py"
+
+
+def example_config(tmp_path: Path, steps: int, save_every: int) -> Path:
+    """examples/dlrm.yaml, shorter, saving often: each save is where torch's deprecations used to be reprinted."""
+    config = yaml.safe_load((REPO / "examples" / "dlrm.yaml").read_text())
+    trainer = config["trainer"]
+    trainer.update(max_steps=steps, val_check_interval=steps // 2, limit_val_batches=2)
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("AsyncCheckpoint"):
+            callback["init_args"]["every_n_train_steps"] = save_every
+    path = tmp_path / "dlrm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def warning_lines(console: str) -> list[tuple[str, str]]:
+    """(rank prefix, text) of every warning line; the launcher's own lines have the prefix ''."""
+    found = []
+    for line in console.splitlines():
+        prefix, text = re.match(r"(\[default\d+\]:)?(.*)", line).groups()
+        if re.search(r"warn|deprecat", text, re.IGNORECASE):
+            found.append((prefix or "", text))
+    return found
+
+
+def test_the_examples_console_repeats_no_warning(tmp_path):
+    config = example_config(tmp_path, steps=120, save_every=20)  # 6 saves, 4 straggler windows
+    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"), str(EXAMPLE),
+                         "fit", "--config", str(config), "--data.batch_size", "128", cwd=tmp_path)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-4000:]
+    assert console.count("AsyncCheckpoint: step") >= 6  # the saves happened
+    repeated = {line: n for line, n in collections.Counter(warning_lines(console)).items() if n > 1}
+    assert not repeated, repeated
