@@ -16,10 +16,12 @@ from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import (
     FIRST_SAVE_STEPS,
     PRIOR_MTBF_HOURS,
+    CadenceDecision,
     CadenceTracker,
     estimate_mtbf_s,
     young_daly_interval_s,
 )
+from lightning_ett.instrument.cadence_facts import cadence_line
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
 from lightning_ett.instrument.ledger import (
     LedgerWriter,
@@ -159,7 +161,7 @@ def test_auto_saves_at_the_interval_it_computed_from_what_it_measured(tmp_path):
     gaps = [b - a for a, b in itertools.pairwise(steps)][:-1]  # the last save is the end of fit
     assert gaps and all(g in chosen for g in gaps), (steps, chosen)
     report = run_script("-m", "lightning_ett.launch.cli", "report", str(out / "ett"))
-    assert "expected loss per failure at this cadence" in report.stdout, report.stdout + report.stderr
+    assert "of work on average" in report.stdout, report.stdout + report.stderr  # (an MTBF given)
 
 
 def test_auto_rejects_bad_policy_inputs(tmp_path):
@@ -169,3 +171,17 @@ def test_auto_rejects_bad_policy_inputs(tmp_path):
         AsyncCheckpoint(tmp_path, every_n_train_steps="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_interval_minutes=0"):
         AsyncCheckpoint(tmp_path, every_n_train_steps="auto", max_interval_minutes=0)
+
+
+def test_the_cadence_line_predicts_a_failure_cost_only_from_failures_seen_or_an_mtbf_given():
+    healthy = CadenceDecision(100, 6.7, 0.014, *estimate_mtbf_s(0, 60.0), 0.067, None)  # a young job, no failure
+    line = cadence_line({"mode": "fixed", **healthy.to_fields()})
+    assert line.startswith("every 100 steps (~6.7s, fixed); a save blocks training 0.014s (0.21% of the interval)")
+    assert "no failure seen yet" in line and "training time" not in line  # no 48 % from an assumed MTBF
+    failed = CadenceDecision(100, 6.7, 0.014, *estimate_mtbf_s(2, 3600.0), 0.067, None)
+    line = cadence_line({"mode": "fixed", **failed.to_fields()})
+    assert "a failure at MTBF 0.5h [ledger: 2 failure(s) in 1.00 h] loses ~3.4s of work on average" in line
+    assert f"saves and lost work {100 * failed.predicted_overhead:.2f}% of training time" in line
+    given = CadenceDecision(329, 6.6, 0.364, 60.0, "given", 0.02, None)
+    line = cadence_line({"mode": "auto", **given.to_fields()})
+    assert "auto: sqrt(2 x save cost x MTBF 0.0167h [given])" in line and "of training time" in line

@@ -27,6 +27,7 @@ from lightning_ett.durable.commit import remove_stale
 from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, explain
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUseError, OwnerLock
+from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, resolve_job_context
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, Phase, get_timeline, record_phase
@@ -518,10 +519,12 @@ class AsyncCheckpoint(Checkpoint):
         metrics["checkpoint/save_cost_s"] = cost
         decision = self._decide()
         if decision is not None:
-            metrics.update({"checkpoint/interval_steps": float(decision.interval_steps),
-                            "checkpoint/expected_loss_per_failure_s": decision.expected_loss_per_failure_s,
-                            "checkpoint/predicted_overhead": decision.predicted_overhead})
-            get_timeline().fact(CADENCE_FACT, mode="auto" if self.auto else "fixed", **decision.to_fields())
+            fields = {"mode": "auto" if self.auto else "fixed", **decision.to_fields()}
+            metrics["checkpoint/interval_steps"] = float(decision.interval_steps)
+            if not mtbf_is_assumed(fields):  # (a failure cost from an assumed MTBF is no measurement: not charted)
+                metrics.update({"checkpoint/expected_loss_per_failure_s": decision.expected_loss_per_failure_s,
+                                "checkpoint/predicted_overhead": decision.predicted_overhead})
+            get_timeline().fact(CADENCE_FACT, **fields)
         log_to_loggers(trainer, metrics)
         rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({result.bytes / 2**20:.1f} MiB; "
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
@@ -553,13 +556,8 @@ class AsyncCheckpoint(Checkpoint):
         return None
 
     def _log_decision(self, d: CadenceDecision) -> None:
-        bound = f", held at its {d.bound}imum" if d.bound else ""
-        rank_zero_info(
-            f"AsyncCheckpoint(every_n_train_steps='auto'): every {d.interval_steps} steps (~{d.interval_s:.1f} s{bound}) "
-            f"= sqrt(2 x save cost {d.save_cost_s:.3f} s x MTBF {d.mtbf_s / 3600:.3g} h [{d.mtbf_source}]); "
-            f"expected loss per failure {d.expected_loss_per_failure_s:.1f} s, predicted overhead "
-            f"{100 * d.predicted_overhead:.2f}% of training time"
-        )
+        bound = f" (held at its {d.bound}imum)" if d.bound else ""
+        rank_zero_info(f"AsyncCheckpoint(every_n_train_steps='auto'){bound}: {cadence_line({'mode': 'auto', **d.to_fields()})}")
 
     # ------------------------------------------------------------------ end of fit, failures
     @override

@@ -78,7 +78,7 @@ def estimate_mtbf_s(failures: int, job_age_s: float) -> tuple[float, str]:
         return 3600 * PRIOR_MTBF_HOURS, "job age unknown: assumed"
     if failures > 0:
         return job_age_s / failures, f"ledger: {failures} failure(s) in {job_age_s / 3600:.2f} h"
-    return job_age_s / RULE_OF_THREE, f"no failure in {job_age_s / 3600:.2f} h: age/3"
+    return job_age_s / RULE_OF_THREE, f"no failure in {job_age_s / 3600:.2f} h: assumed age/3"
 
 
 def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:

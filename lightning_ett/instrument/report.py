@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_ett.durable.files import atomic_write_bytes
+from lightning_ett.instrument.cadence_facts import cadence_line
 from lightning_ett.instrument.straggler_facts import straggler_line
 from lightning_ett.instrument.summary import Summary
 from lightning_ett.instrument.timeline import (
@@ -114,12 +115,7 @@ def _fact_lines(summary: Summary) -> list[str]:
     lines = []
     cadence = summary.facts_named(CADENCE_FACT)
     if cadence:
-        c = cadence[-1]
-        how = (f"auto: sqrt(2 x save cost {c['save_cost_s']:.3f}s x MTBF {c['mtbf_s'] / 3600:.3g}h [{c['mtbf_source']}])"
-               if c.get("mode") == "auto" else f"fixed; save cost {c['save_cost_s']:.3f}s")
-        lines.append(f"checkpoint cadence: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s, {how}); "
-                     f"expected loss per failure at this cadence: {c['expected_loss_per_failure_s']:.1f}s; "
-                     f"predicted overhead {100 * c['predicted_overhead']:.2f}% of training time")
+        lines.append(f"checkpoint cadence: {cadence_line(cadence[-1])}")
     published, errors = summary.facts_named(PUBLISH_FACT), summary.facts_named(PUBLISH_ERROR_FACT)
     if published or errors:
         line = f"published models: {len(published)}"
