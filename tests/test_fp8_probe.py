@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -20,7 +21,7 @@ from torch import nn
 
 from lightning_ett import FP8Probe, summarize_run_dir
 from lightning_ett.fp8.cast import Gemm, Recipe, cast, fp8_mm, matmul, sqnr_db
-from lightning_ett.fp8.probe import sample_forward
+from lightning_ett.fp8.probe import LayerRecord, sample_forward
 
 JOB = str(SCRIPTS / "fp8_job.py")
 ORDINARY = ("mid", "wide", "head")
@@ -204,22 +205,26 @@ def test_a_sample_keeps_max_rows_of_the_activation_not_the_activation():
     assert float(again.x_amax_grad_weight[0, 5]) == pytest.approx(1e4, rel=1e-2)
 
 
-def test_a_restored_probe_carries_its_samples_on(tmp_path):
+def test_a_restored_probe_carries_its_samples_on_and_a_second_fit_starts_over(tmp_path):
     from examples.fp8_outliers import OutlierData, OutlierMLP
 
-    def fit(probe: FP8Probe) -> None:
-        Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path).fit(OutlierMLP(), OutlierData())
+    def trainer(probe: FP8Probe, steps: int) -> Trainer:
+        return Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path)
 
     first = FP8Probe(every_n_steps=10, max_overhead=0.9, include=["planted"])
-    fit(first)
+    t = trainer(first, 40)
+    t.fit(OutlierMLP(), OutlierData())
     assert first.results["planted"]["samples"] >= 2
+    t.save_checkpoint(tmp_path / "step40.ckpt")
     second = FP8Probe(every_n_steps=10, max_overhead=0.9, include=["planted"])
-    second.load_state_dict(first.state_dict())  # what Lightning does on resume (every rank; rank 0's sums count)
-    fit(second)
+    trainer(second, 80).fit(OutlierMLP(), OutlierData(), ckpt_path=tmp_path / "step40.ckpt")
     # The restored sums decided the layer already: the second fit takes no sample and keeps the verdict and statistics.
     assert second.samples_taken == first.samples_taken and second.sampled_steps == []
     assert second.results["planted"] == first.results["planted"]
+    # The same callback in a new fit, not resumed: it measures that fit, not the last one's leftovers.
+    trainer(first, 40).fit(OutlierMLP(), OutlierData())
+    assert first.samples_taken == len(first.sampled_steps) >= 2 and first.sampled_steps[0] >= 10
 
 
 class _TurningBad(torch.utils.data.IterableDataset):
@@ -354,3 +359,96 @@ def test_a_compiled_module_that_runs_no_hook_is_said_once(tmp_path):
         probe = _fit_awkward(tmp_path, compiled=True)
     assert sum("ran none of the probed" in str(w.message) for w in caught) == 1
     assert all("torch.compile" in r["reason"] for r in probe.results.values())
+
+
+class _Periodic(LightningModule):
+    """A layer run on even steps only, beside one run every step; long and bracketed names (rich markup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.every = nn.Linear(16, 16)
+        self.even_steps_only = nn.Linear(16, 16)
+        self.heads = nn.ModuleDict({"lang[/en]": nn.Linear(16, 1)})
+        self.encoder_layer_11_attention_output_dense_projection_for_the_long_names = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder_layer_11_attention_output_dense_projection_for_the_long_names(self.every(x))
+        if self.global_step % 2 == 0:
+            h = self.even_steps_only(h)
+        return self.heads["lang[/en]"](h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch).pow(2).mean()
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.randn(64 * 16, 16), batch_size=64)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_sampling_does_not_alias_with_periodic_work_and_the_table_keeps_every_name(tmp_path, capsys):
+    probe = FP8Probe(every_n_steps=2, max_overhead=0.9)
+    Trainer(accelerator="cpu", max_steps=120, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path).fit(_Periodic())
+    steps = probe.sampled_steps
+    assert len({s // 2 for s in steps}) == len(steps)  # one sample a window at most ...
+    gaps = {b - a for a, b in itertools.pairwise(steps)}
+    assert len(gaps) > 1 and {s % 2 for s in steps} == {0, 1}  # ... at random distances: a fixed stride aliases
+    r = probe.results
+    assert r["even_steps_only"]["samples"] >= 3  # measured, though it skips every other step
+    share = r["even_steps_only"]["flop_share"] / r["every"]["flop_share"]
+    assert 0.2 < share < 0.8, share  # ~half the steps: not counted as if it ran in every one
+    # Not a terminal (the case under `lightning run`): the table is as wide as its names; markup is not parsed
+    printed = capsys.readouterr().out
+    for name in ("lang[/en]", "encoder_layer_11_attention_output_dense_projection_for_the_long_names"):
+        assert any(line.count(name) == 1 and "│" in line for line in printed.splitlines()), (name, printed)
+    assert (tmp_path / "fp8_probe.json").is_file()
+
+
+def test_a_model_without_linear_layers_trains_with_the_probe_off_and_a_warning(tmp_path):
+    class NoLinear(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return (batch * self.w).pow(2).mean()
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(64, 16), batch_size=8)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    probe = FP8Probe(every_n_steps=1)
+    with pytest.warns(UserWarning, match="NoLinear has no nn.Linear layer.*the probe is off"):
+        Trainer(accelerator="cpu", max_steps=8, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path).fit(NoLinear())
+    assert probe.results == {} and probe.samples_taken == 0
+
+
+def test_windows_from_a_checkpoint_with_another_every_n_steps_are_renumbered_by_their_first_step():
+    record = LayerRecord("x", 4, 4, 20.0, windows={0: 30.0, 1: 25.0, 2: 10.0, 7: 28.0})
+    record.renumber_windows(2, 5)  # steps 0, 2, 4, 14 -> windows 0, 0, 0, 2 of 5 steps
+    assert record.windows == {0: 10.0, 2: 28.0}
+
+
+def test_an_overflowed_window_is_bad_whatever_order_ranks_and_gemms_come_in():
+    orders = []
+    for values in ([30.0, math.nan], [math.nan, 30.0]):
+        record = LayerRecord("x", 4, 4, 20.0)
+        for v in values:
+            record._observe(3, v)  # two GEMMs of one sample
+        orders.append(record.decision(0.1, 0.95).bad_windows)
+        ranks = [LayerRecord("x", 4, 4, 20.0, windows={3: v}).to_vector() for v in values]
+        orders.append(LayerRecord.from_vectors("x", 4, 4, 20.0, ranks).decision(0.1, 0.95).bad_windows)
+    assert orders == [1, 1, 1, 1]
+
+
+def test_a_loaded_state_not_yet_applied_is_saved_again_as_it_came():
+    """A resume that trains no step (the checkpoint is at max_steps) and saves again keeps the windows."""
+    first = FP8Probe()
+    state = {"records": {"a": [1.0, 2.0]}, "next_sample_step": 70, "samples_taken": 5, "every_n_steps": 10}
+    first.load_state_dict(state)
+    assert first.state_dict() == state

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -92,11 +93,16 @@ class FP8Probe(Callback):
     hook guards), so a compiled module is not measured; the probe warns once when a sampled step
     ran none of its hooks. Probe an eager run. Lightning writes rank 0's callback state, so at
     each checkpoint the ranks' windows are combined (one all-gather in ``on_save_checkpoint``,
-    which every rank runs) and a resumed run goes on from the whole job's windows.
+    which every rank runs) and a resumed run goes on from the whole job's windows — except a
+    save in an exception's wake (``OnExceptionCheckpoint``), which may run on one rank only:
+    it keeps rank 0's windows rather than wait in a collective. Sampled steps fall at random
+    distances (0.5–1.5 intervals): a fixed stride would alias with periodic work. A second
+    ``fit`` with the same callback measures that fit afresh; ``every_n_steps`` may change on a
+    resume (the checkpoint's windows are renumbered by their first step).
 
     On CUDA the probe's timer starts after the device has finished the work already queued
-    (``torch.cuda.synchronize`` at a sampled layer; the probe's own results sync it anyway), so
-    the training step's kernels are not charged to the probe.
+    (the current stream's ``synchronize`` at a measured layer; the probe's own results sync it
+    anyway), so the training step's kernels are not charged to the probe.
     """
 
     def __init__(
@@ -145,8 +151,13 @@ class FP8Probe(Callback):
         self._hooks_fired = 0
         self._warned_no_hooks = False
         self._last_global_step = 0
-        # resumable
-        self.next_sample_step = every_n_steps
+        self._schedule = torch.Generator()  # where in its window the next sample falls
+        self._reset_fit()
+
+    def _reset_fit(self) -> None:
+        """What one ``fit`` measures (a second ``fit`` with the same callback starts over; a checkpoint's state, loaded
+        after ``setup``, then carries a resumed one on)."""
+        self.next_sample_step = self.every_n_steps
         self.opportunities = 0  # sampling windows reached
         self.probe_s = 0.0
         self.train_s = 0.0
@@ -157,8 +168,16 @@ class FP8Probe(Callback):
         self._restored: dict[str, Any] | None = None
         self._prior: dict[str, LayerRecord] = {}  # ranks other than 0: the job's windows at the resumed checkpoint
         self._overheads: list[float] = []  # each rank's measured overhead, known at the end of fit
+        self._sample_costs.clear()
+        self._warned_no_hooks = False
+        self._failed = False
 
     # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._reset_fit()
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # (not ``setup``: Lightning calls ``configure_model`` after the callbacks' ``setup``)
@@ -167,11 +186,15 @@ class FP8Probe(Callback):
         self._records = {fqn: LayerRecord(fqn, m.in_features, m.out_features, self.sqnr_threshold_db)
                          for fqn, m in self._layers.items()}
         self._local = dict.fromkeys(self._selected, UNDECIDED)
-        self._prior = {}
         self._generator = torch.Generator().manual_seed(trainer.global_rank)  # which rows a sample measures
+        self._schedule.manual_seed(1_000_003 + trainer.global_rank)
 
     def _select(self, pl_module: pl.LightningModule) -> list[str]:
         names = list(self._layers)
+        if not names and self.include is None:
+            rank_zero_warn(f"FP8Probe: {type(pl_module).__name__} has no nn.Linear layer (the GEMMs FP8 would run); "
+                           "nothing to probe, so the probe is off for this fit.")
+            return []
         listing = f"its nn.Linear layers are: {names}" if names else "it has no nn.Linear layer"
         for pattern in self.include or []:
             if not any(_matches(fqn, pattern) for fqn in names):
@@ -191,11 +214,16 @@ class FP8Probe(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         restored, self._restored = self._restored, None
+        saved_every = int((restored or {}).get("every_n_steps", self.every_n_steps))
+        if saved_every != self.every_n_steps and restored and restored.get("records"):
+            rank_zero_info(f"FP8Probe: the checkpoint's windows were {saved_every} steps long, this run's are "
+                           f"every_n_steps={self.every_n_steps}: its windows are renumbered by their first step.")
         for fqn, vector in (restored or {}).get("records", {}).items():  # the job's windows at the checkpoint
             record = self._records.get(fqn)
             if record is not None and len(vector) == len(record.to_vector()):  # (a record of this version)
                 loaded = LayerRecord.from_vectors(fqn, record.in_features, record.out_features, self.sqnr_threshold_db,
                                                   [vector])
+                loaded.renumber_windows(saved_every, self.every_n_steps)
                 if trainer.global_rank == 0:  # rank 0 carries them on: one copy counts in the job's verdict
                     self._records[fqn] = loaded
                 else:  # the others decide what to sample with them in view, and report only their own
@@ -221,7 +249,7 @@ class FP8Probe(Callback):
         self.opportunities += 1
         due = self._due()
         if not due:
-            self.next_sample_step = trainer.global_step + self.every_n_steps
+            self.next_sample_step = self._next_sample(trainer.global_step, self.every_n_steps)
             return
         start = time.perf_counter()
         self._sampling = True
@@ -241,9 +269,9 @@ class FP8Probe(Callback):
             x = args[0] if args else kwargs.get("input")
             if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.numel() == 0:
                 return  # (a layer given no rows this step, e.g. an expert no token chose: nothing to measure)
-            start = _settled_clock(x)
             record.observe_rows(x.numel() // max(module.in_features, 1))
             if probe:
+                start = _settled_clock(x)
                 rows = x.detach().reshape(-1, module.in_features)
                 weight = module.weight.detach()
                 sample = sample_forward(rows, weight, compute_dtype(x, output), self._recipe, self.max_rows,
@@ -263,7 +291,7 @@ class FP8Probe(Callback):
                         self._probe_step_s += time.perf_counter() - began
 
                     output.register_hook(on_grad)
-            self._probe_step_s += time.perf_counter() - start
+                self._probe_step_s += time.perf_counter() - start
 
         return hook
 
@@ -295,11 +323,13 @@ class FP8Probe(Callback):
         self.probe_s += self._probe_step_s
         self.train_s += max(time.perf_counter() - self._batch_start - self._probe_step_s, 0.0)
         self.samples_taken += 1
-        self.sampled_steps.append(trainer.global_step - 1)  # (the step that just ran)
-        self.next_sample_step = trainer.global_step + self._interval(self._probe_step_s)
+        sampled = trainer.global_step - 1  # (the step that just ran: global_step counts it already)
+        self.sampled_steps.append(sampled)
+        self.next_sample_step = self._next_sample(sampled, self._interval(self._probe_step_s))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._failed = True  # (before any checkpoint callback's on_exception: Lightning runs those last)
         self._remove_hooks()  # nothing of the probe stays on a model whose fit failed
 
     def _update_verdicts(self, trainer: pl.Trainer) -> None:
@@ -323,6 +353,14 @@ class FP8Probe(Callback):
     def _decision(self, fqn: str) -> Decision:
         """This rank's view of a layer: its own windows, after the job's from the checkpoint it resumed from."""
         return self._records[fqn].decision(self.tail, self.confidence, self._prior.get(fqn))
+
+    def _next_sample(self, after: int, interval: int) -> int:
+        """The step of the next sample: ``interval`` steps after ``after`` on average, at a random distance (half to
+        one and a half times it), and in a later window. A fixed stride aliases with periodic work — a layer run
+        every other step, a branch taken on odd batches — and never sees it, or sees it at every sample."""
+        jitter = int(torch.randint(interval, (1,), generator=self._schedule))
+        next_window = (after // self.every_n_steps + 1) * self.every_n_steps
+        return max(after + interval // 2 + 1 + jitter, next_window)
 
     def _interval(self, sample_cost_s: float) -> int:
         """Steps to the next sample: at least ``every_n_steps``; enough that a sample's cost is ``max_overhead`` of
@@ -390,8 +428,11 @@ class FP8Probe(Callback):
         if r["verdict"] == SAFE:
             return f"{below}; worst dB per GEMM: {per_gemm}"
         if not r["measured_gemms"]:
-            return ("never measured: the layer did not run in a sampled training step (a module compiled with "
-                    "torch.compile runs no hook added after its compilation: probe an eager run)")
+            if self._warned_no_hooks:
+                return ("never measured: no probed layer ran its hooks in a sampled step (a module compiled with "
+                        "torch.compile runs no hook added after its compilation: probe an eager run)")
+            return (f"never measured: the layer did not run in any of the {self.samples_taken} sampled step(s) (a layer "
+                    "used in some steps only); more steps would reach it")
         per_window = steps / max(r["samples"], 1)  # this layer's own pace (one that skips steps gets fewer windows)
         more = math.ceil((r["samples_needed"] - r["samples"]) * per_window)
         correlated = (f"; windows are autocorrelated (rho {r['autocorrelation']:.2f}), each counts "
@@ -440,7 +481,6 @@ class FP8Probe(Callback):
     # ------------------------------------------------------------------ where the results go (rank zero)
     def _publish(self, trainer: pl.Trainer) -> None:
         line = self.summary_line()
-        self._print_table(line)
         verdicts = [r["verdict"] for r in self.results.values()]
         chosen = [r for r in self.results.values() if r["verdict"] == SAFE and r["eligible"]]
         turned = sum(r["turned_unsafe"] for r in self.results.values())
@@ -451,6 +491,7 @@ class FP8Probe(Callback):
         path = _run_dir(trainer) / RESULTS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+        self._print_table(line)  # (after the file: what the console cannot show is there)
         get_timeline().fact(FP8_FACT, recipe=self.recipe, layers=len(self.results), safe_and_eligible=len(chosen),
                             flop_share=sum(r["flop_share"] for r in chosen), unsafe=verdicts.count(UNSAFE),
                             undecided=verdicts.count(UNDECIDED), turned_unsafe=turned)
@@ -475,25 +516,28 @@ class FP8Probe(Callback):
 
     def _print_table(self, line: str) -> None:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         table = Table(title=f"FP8Probe ({self.recipe}: {self.tail:.0%} of steps may fall below "
                       f"{self.sqnr_threshold_db:g} dB, at {self.confidence:.0%} confidence)")
-        table.add_column("layer", no_wrap=True, min_width=min(max(map(len, self.results), default=5), 40))
+        table.add_column("layer", no_wrap=True, min_width=max(map(len, self.results), default=5))
         for column in ("verdict", "eligible", f"SQNR q{round(100 * self.tail)}/worst dB", "windows", "FLOPs", "M×K×N"):
             table.add_column(column, overflow="fold")
         style = {"safe": "green", "unsafe": "red", UNDECIDED: "yellow"}
         quantile = f"sqnr_db_q{round(100 * self.tail)}"
         for fqn, r in self.results.items():
             windows = f"{r['samples']}/{r['samples_needed']}" if r["samples_needed"] else str(r["samples"])
-            table.add_row(fqn, f"[{style[r['verdict']]}]{r['verdict']}[/]", "yes" if r["eligible"] else "no",
+            table.add_row(escape(fqn), f"[{style[r['verdict']]}]{r['verdict']}[/]", "yes" if r["eligible"] else "no",
                           f"{_num(r[quantile])} / {_num(r['sqnr_db_worst'])}", windows,
                           f"{100 * r['flop_share']:.1f}%", f"{r['shape']['M']}×{r['shape']['K']}×{r['shape']['N']}")
         console = Console()
+        if not console.is_terminal:  # (a log file: rich's 80 columns would squeeze the names out of the table)
+            console = Console(width=max(console.width, max(map(len, self.results), default=0) + 80))
         console.print(table)
         for fqn, r in self.results.items():
-            console.print(f"  {fqn}: {r['verdict']}: {r['reason']}", highlight=False)
-        console.print(line)
+            console.print(escape(f"  {fqn}: {r['verdict']}: {r['reason']}"), highlight=False)
+        console.print(escape(line))
 
     # ------------------------------------------------------------------ state
     @override
@@ -502,17 +546,21 @@ class FP8Probe(Callback):
         ``dump_checkpoint``), so one all-gather here is collective; a resumed run then restores every rank's
         windows, not just rank 0's."""
         state = checkpoint.get("callbacks", {}).get(self.state_key)
-        if state is None or not self._records or trainer.world_size < 2:
+        if state is None or not self._records or trainer.world_size < 2 or self._restored is not None:
             return
+        if self._failed or trainer.interrupted:  # a save in an exception's wake may run on one rank only (Lightning's
+            return  # OnExceptionCheckpoint, save_on_exception): no collective that would hang it; rank 0's windows
         local = torch.tensor([record.to_vector() for record in self._records.values()], dtype=torch.float64)
         gathered = all_gather(trainer, local).cpu()
         state["records"] = {f: r.to_vector() for f, r in combine(self._records, gathered).items()}
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._restored is not None:  # loaded, not applied yet (no training step ran since): passed on as it came
+            return dict(self._restored)
         return {"records": {f: r.to_vector() for f, r in self._records.items()}, "next_sample_step": self.next_sample_step,
                 "opportunities": self.opportunities, "probe_s": self.probe_s, "train_s": self.train_s,
-                "train_steps": self.train_steps, "samples_taken": self.samples_taken}
+                "train_steps": self.train_steps, "samples_taken": self.samples_taken, "every_n_steps": self.every_n_steps}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -531,7 +579,7 @@ def _settled_clock(tensor: torch.Tensor) -> float:
     Without it the probe's first result read waits for the training step's queued kernels and the wait counts as
     the probe's time: overhead overstated, samples rarer than the budget allows."""
     if tensor.is_cuda:  # GPU only: CUDA kernels run asynchronously to the host
-        torch.cuda.synchronize(tensor.device)
+        torch.cuda.current_stream(tensor.device).synchronize()  # (this stream's work only: not NCCL's, not a peer's)
     return time.perf_counter()
 
 

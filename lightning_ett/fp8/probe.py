@@ -22,6 +22,7 @@ decides when to sample and where results go.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -173,24 +174,39 @@ class LayerRecord:
                 self.casts.setdefault(f"{kind}/{operand}", RunningStats()).add(share)
 
     def _observe(self, window: int, value: float) -> None:
-        if window in self.windows:
-            self.windows[window] = min(self.windows[window], value)
+        _merge_into(self.windows, [(window, value)])
+        if len(self.windows) > MAX_WINDOWS:
+            self._cap()
+
+    def _cap(self) -> None:
+        """At most ``MAX_WINDOWS`` kept: the first half (the test's own windows) and the latest (re-checks); the
+        ones between are counted (and their bad ones), as the verdict still counts them."""
+        if len(self.windows) <= MAX_WINDOWS:
             return
-        self.windows[window] = value
-        if len(self.windows) > MAX_WINDOWS:  # keep the first half (the test's own windows) and the latest (re-checks)
-            oldest = sorted(self.windows)[MAX_WINDOWS // 2]
+        order = sorted(self.windows)
+        for window in order[MAX_WINDOWS // 2:len(order) - (MAX_WINDOWS - MAX_WINDOWS // 2)]:
             self.dropped += 1
-            self.dropped_bad += not self.windows.pop(oldest) >= self.threshold_db
+            self.dropped_bad += not self.windows.pop(window) >= self.threshold_db
+
+    def renumber_windows(self, old_every: int, new_every: int) -> None:
+        """Windows counted in ``old_every``-step units (a checkpoint's), renumbered in ``new_every``-step ones by their
+        first step; two that fall into one window are one observation, at its worst."""
+        if old_every == new_every:
+            return
+        windows: dict[int, float] = {}
+        _merge_into(windows, ((window * old_every // new_every, value) for window, value in self.windows.items()))
+        self.windows = windows
 
     def decision(self, tail: float, confidence: float, prior: LayerRecord | None = None) -> Decision:
         """The verdict on this record's windows, and on ``prior``'s before them (a rank that resumed with the job's
         windows of the last checkpoint, kept apart so that only one rank reports them)."""
-        windows, dropped, dropped_bad = self.windows, self.dropped, self.dropped_bad
-        if prior is not None:
-            windows = dict(prior.windows)
-            for window, value in self.windows.items():
-                windows[window] = min(windows.get(window, value), value)
-            dropped, dropped_bad = dropped + prior.dropped, dropped_bad + prior.dropped_bad
+        record = self
+        if prior is not None:  # (its windows are before this record's: their drops add up)
+            record = LayerRecord(self.fqn, self.in_features, self.out_features, self.threshold_db, dict(prior.windows),
+                                 self.dropped + prior.dropped, self.dropped_bad + prior.dropped_bad)
+            _merge_into(record.windows, self.windows.items())
+            record._cap()
+        windows, dropped, dropped_bad = record.windows, record.dropped, record.dropped_bad
         found = decide(sorted(windows.items()), self.threshold_db, tail, confidence)
         if dropped:
             found = replace(found, windows=found.windows + int(dropped), bad_windows=found.bad_windows + int(dropped_bad))
@@ -235,14 +251,14 @@ class LayerRecord:
             record.rows += next(values)
             record.passes += next(values)
             record.steps = max(record.steps, next(values))  # (the ranks sample alike often: per-step FLOPs)
-            record.dropped += next(values)  # (a window dropped on two ranks counts twice: a count for the report)
-            record.dropped_bad += next(values)
+            # (the ranks drop alike: their windows are mostly the same ones; a sum would count one drop per rank)
+            record.dropped = max(record.dropped, next(values))
+            record.dropped_bad = max(record.dropped_bad, next(values))
             for gemm in Gemm:
                 record.worst[gemm.value] = min(record.worst[gemm.value], next(values))
-            for _ in range(MAX_WINDOWS):
-                window, value = next(values), next(values)
-                if not math.isnan(window):
-                    record._observe(int(window), value)
+            pairs = [(next(values), next(values)) for _ in range(MAX_WINDOWS)]
+            _merge_into(record.windows, ((int(w), v) for w, v in pairs if not math.isnan(w)))
+        record._cap()  # once, after every rank's windows are in (not a sort per window)
         return record
 
     # ---------------------------------------------------------------- what the report says
@@ -300,6 +316,14 @@ def _cast_keys() -> list[str]:
 def _finite(value: float | None) -> float | None:
     """JSON has no inf or nan: an unbounded or undefined figure is ``None``."""
     return value if value is not None and math.isfinite(value) else None
+
+
+def _merge_into(windows: dict[int, float], observations: Iterable[tuple[int, float]]) -> None:
+    """Each (window, SQNR dB) into ``windows``: one window seen twice is one observation, at its worst. NaN (the FP8
+    product overflowed) is the worst there is, -inf: ``min`` would otherwise keep or drop it by the order it came in."""
+    for window, value in observations:
+        value = -math.inf if math.isnan(value) else value
+        windows[window] = min(windows.get(window, value), value)
 
 
 def combine(records: dict[str, LayerRecord], gathered: torch.Tensor) -> dict[str, LayerRecord]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import SCRIPTS, launch
 
 from lightning_ett import summarize_run_dir
@@ -83,3 +84,12 @@ def test_a_resumed_run_goes_on_from_every_ranks_windows(tmp_path):
         assert all(w[0] >= 6 for w in after[1]["windows"][fqn])  # ... rank 1 reports only its own, new ones
         series = merged(before + after, fqn)
         assert result["samples"] == len(series) and result["sqnr_db_worst"] == min(v for _, v in series), fqn
+
+
+def test_a_save_in_an_exceptions_wake_on_one_rank_is_written_not_held_in_the_probes_gather(tmp_path):
+    """OnExceptionCheckpoint saves on the rank that failed only: the probe's checkpoint gather must not run there."""
+    proc = launch(str(SCRIPTS / "fp8_exception_job.py"), "--out", str(tmp_path), run_dir=tmp_path / "run", timeout=180)
+    assert proc.returncode != 0 and "a failure on rank 0 alone" in proc.stderr, proc.stderr[-4000:]
+    saved = torch.load(tmp_path / "on-exception.ckpt", weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("FP8Probe")]
+    assert state["records"] and any(any(v) for v in state["records"].values())  # rank 0's windows, written
