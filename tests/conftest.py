@@ -121,3 +121,34 @@ def uninterrupted_dlrm(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[d
                   "--ckpt-dir", str(out / "ckpt"), run_dir=out / "ett")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return rank_facts(out), out / "ckpt"
+
+
+# ---------------------------------------------------------------------------------------------- the checkout stays clean
+_OWN_LEFTOVERS = ("__pycache__", ".pytest_cache", ".venv/")  # what running Python and pytest itself leaves
+
+
+def _checkout_state() -> set[str]:
+    """Every path git reports as changed, untracked or ignored in the checkout (none: not a git checkout)."""
+    proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored"], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return set()
+    return {line for line in proc.stdout.splitlines() if not any(part in line for part in _OWN_LEFTOVERS)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_CHECKOUT_KEY] = _checkout_state()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every test writes under its own temporary directory: a file the suite left in the checkout fails it."""
+    before = session.config.stash.get(_CHECKOUT_KEY, None)
+    if before is None:
+        return
+    left = sorted(_checkout_state() - before)
+    if left:
+        session.config.get_terminal_writer().line(f"the test suite changed the checkout: {left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_CHECKOUT_KEY = pytest.StashKey[set]()

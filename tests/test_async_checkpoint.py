@@ -336,3 +336,4 @@ def test_a_full_disk_is_reported_as_such_with_the_path(tmp_path, small_disk):
     text = " ".join(report.stdout.split())
     assert "No space left on device" in text and "FrameSummary" not in text and "unexpected pos" not in text, text
     assert not fmt.committed(ckpt)  # nothing that could pass for a checkpoint
+    assert not list(ckpt.glob("*.tmp"))  # and the failed write's files are gone at once: the disk is full

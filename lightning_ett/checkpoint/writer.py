@@ -29,6 +29,7 @@ Order of a save of step ``s`` (names from :mod:`lightning_ett.checkpoint.layout`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -217,7 +218,10 @@ class CheckpointWriter:
             snapshot.wait_copied()
             checksums = dcp_io.write(snapshot.state["dcp"], tmp, self.group, collective=self.collective, staged=True)
         except BaseException as e:
-            raise CheckpointWriteError(f"writing checkpoint {str(final)!r} failed: {explain(e, tmp)}") from e
+            said = explain(e, tmp)
+            with contextlib.suppress(OSError):  # never committed, so never read: its space back now (a full disk),
+                remove_path(tmp)  # not at the next start (a collective write's other ranks fail on it too: it failed)
+            raise CheckpointWriteError(f"writing checkpoint {str(final)!r} failed: {said}") from e
         valid, checksums = self._agree_after_write(snapshot, checksums)
         if not valid:
             if self.rank == 0:
@@ -232,6 +236,8 @@ class CheckpointWriter:
                 nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums)
             except Exception as e:
                 error = explain(e, tmp)
+                with contextlib.suppress(OSError):
+                    remove_path(tmp)  # not committed: its space back now (a full disk), as a failed write's
                 if not self.collective or self.group is None:
                     raise CheckpointWriteError(f"committing checkpoint {str(final)!r} failed: {error}") from e
         if self.collective and self.group is not None:

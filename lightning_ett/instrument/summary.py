@@ -237,6 +237,10 @@ def summarize(
     ends = [e["end"] for lg in ledgers for e in lg.events]
     ends += [r["time"] for r in launcher if r.get("kind") in ("failure", "end")]
     if not starts or not ends:
+        torn = sum(lg.torn_lines for lg in ledgers)
+        if torn:
+            raise ValueError(f"The ledger has no valid events: {torn} line(s) skipped as invalid (torn by a kill "
+                             "mid-write, or not a ledger record); nothing to summarize.")
         raise ValueError("The ledger has no events yet: nothing to summarize.")
     job_start, job_end = min(starts), max(ends + ([now] if now is not None else []))
     resume = _resume_steps(ledgers, later_resume_step)

@@ -88,3 +88,12 @@ def test_a_script_that_exits_0_before_training_is_reported_as_finished_everywher
     # (Under the hang watch ETTMonitor opens its ledger when it is built, so the rank recorded its import phase.)
     assert "1 attempt(s), finished" in out and "│ finished" in out
     assert "running or failed" not in out and "no status" not in out
+
+
+def test_a_ledger_of_nothing_but_invalid_lines_says_how_many_it_skipped(tmp_path, capsys):
+    ledger_path(tmp_path, 0, 0).parent.mkdir(parents=True)
+    ledger_path(tmp_path, 0, 0).write_text("\n".join(BAD_LINES) + "\n")
+    status = main(["report", str(tmp_path)])
+    said = capsys.readouterr()
+    assert status != 0 and f"{len(BAD_LINES)} line(s) skipped as invalid" in said.out + said.err, said
+    assert "no events yet" not in said.out + said.err
