@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from lightning_ett.instrument.report import REPORT_PNG, write_report
+    from lightning_ett.instrument.report import REPORT_PNG, print_report, write_report
     from lightning_ett.instrument.summary import SUMMARY_FILE, summarize_run_dir
 
     run_dir = Path(args.run_dir)
@@ -37,9 +38,20 @@ def _report(args: argparse.Namespace) -> int:
         print(f"lightning-ett report: {err}", file=sys.stderr)
         return 2
     console = Console()
-    write_report(summary, run_dir, console)
+    if _unchanged(run_dir / SUMMARY_FILE, summary.to_dict()) and (run_dir / REPORT_PNG).is_file():
+        print_report(summary, console)  # (a finished job has one answer: read back, its files left as they are)
+    else:
+        write_report(summary, run_dir, console)
     console.print(f"[dim]{run_dir / SUMMARY_FILE}\n{run_dir / REPORT_PNG}[/dim]")
     return 0
+
+
+def _unchanged(path: Path, summary: dict[str, Any]) -> bool:
+    """Does ``path`` already hold ``summary`` (as JSON writes it)?"""
+    try:
+        return json.loads(path.read_text()) == json.loads(json.dumps(summary))
+    except (OSError, ValueError):
+        return False
 
 
 def _int_parser(low: int, high: int, expected: str) -> Callable[[str], int]:

@@ -239,8 +239,10 @@ class LaunchRecorder:
         return {"kind": "end", "time": time.time(), "exitcode": exitcode, "reason": reason,
                 "attempts": self.attempt - self.first_attempt + 1, "node_rank": self.opts.node_rank}
 
-    def finished(self, exitcode: int, reason: str) -> None:
-        self.writer.append(self.end_record(exitcode, reason))
+    def finished(self, end: dict[str, Any]) -> None:
+        """Write ``end``, the record the printed report was made from: a later ``lightning-ett report`` reads the same
+        job end, so it prints the same figures (the report's own printing is after the job's clock stopped)."""
+        self.writer.append(end)
         self.writer.close()
 
 
@@ -425,7 +427,7 @@ def launch(opts: LaunchOptions) -> int:
             try:
                 return _launch(opts, recorder)
             except BaseException as err:
-                recorder.finished(1, f"launcher error: {type(err).__name__}: {err}")
+                recorder.finished(recorder.end_record(1, f"launcher error: {type(err).__name__}: {err}"))
                 raise
         finally:
             sweeper.close()
@@ -468,15 +470,16 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
 
 
 def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason: str, failed: bool) -> int:
-    """Print the report, then stop the job's clock: the report is part of what the user waits for."""
+    """Stop the job's clock, print the report made with that end, then write the end record it was made from."""
     if opts.preload:
         from lightning_ett.launch.worker import stop_forkserver
 
         stop_forkserver()
     if recorder.wandb_service is not None:
         recorder.wandb_service.stop()  # the runs' last records are written before the job ends
-    _print_report(opts, recorder.end_record(exitcode, reason), failed=failed)
-    recorder.finished(exitcode, reason)
+    end = recorder.end_record(exitcode, reason)
+    _print_report(opts, end, failed=failed)
+    recorder.finished(end)
     return exitcode
 
 

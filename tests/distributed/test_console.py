@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import yaml
-from conftest import REPO, lightning_run
+from conftest import REPO, lightning_run, run_script
 
 EXAMPLE = REPO / "examples" / "dlrm_example.py"
 
@@ -44,3 +44,31 @@ def test_the_examples_console_repeats_no_warning(tmp_path):
     assert console.count("AsyncCheckpoint: step") >= 6  # the saves happened
     repeated = {line: n for line, n in collections.Counter(warning_lines(console)).items() if n > 1}
     assert not repeated, repeated
+
+
+def report_figures(text: str) -> list[str]:
+    """The report's figures as printed: its title line, table rows and fact lines (paths and colours aside)."""
+    keep = []
+    for line in text.splitlines():
+        line = re.sub(r"^\[default\d+\]:", "", line).strip()
+        if re.match(r"(ETT [\d.]+% of|│|checkpoint cadence|published models|straggler|\d+ attempt)", line):
+            keep.append(line)
+    starts = [i for i, line in enumerate(keep) if line.startswith("ETT ")]
+    return keep[starts[-1]:] if starts else []  # (the model summary's table before it is not the report)
+
+
+def test_the_final_report_and_a_later_report_agree_and_the_later_one_rewrites_nothing(tmp_path):
+    config = example_config(tmp_path, steps=40, save_every=20)
+    run_dir = tmp_path / "run"
+    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(run_dir), str(EXAMPLE), "fit",
+                         "--config", str(config), "--data.batch_size", "128", cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    printed = report_figures(proc.stdout)
+    assert printed and printed[0].startswith("ETT "), proc.stdout[-3000:]
+    assert any("no failure seen yet" in line for line in printed), printed  # no overhead predicted from nothing
+    written = {name: ((run_dir / name).read_bytes(), (run_dir / name).stat().st_mtime_ns)
+               for name in ("ett_summary.json", "ett_report.png")}
+    later = run_script("-m", "lightning_ett.launch.cli", "report", str(run_dir))
+    assert later.returncode == 0, later.stderr
+    assert report_figures(later.stdout) == printed
+    assert written == {name: ((run_dir / name).read_bytes(), (run_dir / name).stat().st_mtime_ns) for name in written}
