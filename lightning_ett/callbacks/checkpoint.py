@@ -30,7 +30,7 @@ from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUs
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
 from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, resolve_job_context
 from lightning_ett.instrument.ledger import failed_attempts
-from lightning_ett.instrument.timeline import CADENCE_FACT, Phase, get_timeline, record_phase
+from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 
 WhenBusy = Literal["skip", "wait"]
@@ -511,6 +511,7 @@ class AsyncCheckpoint(Checkpoint):
         if result is None:
             return
         self._best_model_path = str(result.path)
+        get_timeline().fact(CHECKPOINT_FACT, step=result.step, path=str(result.path))
         blocked = result.blocked_s
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),

@@ -61,7 +61,7 @@ def _visible_phases(summary: Summary) -> list[str]:
 
 def render_table(summary: Summary, title: str | None = None) -> Table:
     wall = summary.wall_s or 1.0
-    status = "finished" if summary.completed else "running or failed"
+    status = "finished" if summary.completed else "stopped" if _stopped(summary) else "running or failed"
     table = Table(
         title=title or f"ETT {summary.ett_percent:.1f}% of {summary.wall_s:.1f}s wall",
         caption=f"{len(summary.attempts)} attempt(s), {status}; effective = train; "
@@ -79,6 +79,11 @@ def render_table(summary: Summary, title: str | None = None) -> Table:
     return table
 
 
+def _stopped(summary: Summary) -> bool:
+    """Did a signal to the launcher (Ctrl-C, a scheduler's SIGTERM) stop the job? Its last word says so."""
+    return bool(summary.outcome and summary.outcome.startswith("stopped by "))
+
+
 def render_attempts(summary: Summary) -> Table:
     """One row per attempt: which steps it ran and how it ended (the launcher's words on failures)."""
     outcome = summary.outcome
@@ -92,11 +97,13 @@ def render_attempts(summary: Summary) -> Table:
         steps = f"{info.first_step}..{info.last_step}" if info.first_step is not None else "-"
         if info.completed:
             ended = "finished" if info.ranks else "finished (exited before recording any phase)"
+        elif info is summary.attempts[-1] and _stopped(summary):
+            ended = "stopped (below)"  # (not its ranks' SIGTERMException: the stop was asked for)
         else:
             ended = info.failure or "no status (killed, or still running)"
         ranks = ",".join(map(str, info.ranks)) if info.ranks else "-"
         table.add_row(str(info.attempt), ranks, steps, f"{info.end - info.start:.1f}", escape(ended),
-                      style="" if info.completed else "red")
+                      style="" if info.completed or ended == "stopped (below)" else "red")
     return table
 
 

@@ -70,6 +70,7 @@ from lightning_ett.instrument.ledger import (
     read_ledger,
     recorded_attempts,
 )
+from lightning_ett.instrument.timeline import CHECKPOINT_FACT, Phase
 from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch
 from lightning_ett.launch.wandb_service import WandbService
 from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE
@@ -298,6 +299,8 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
             groups = set((self._pcontext.pids() if self._pcontext is not None else {}).values())
             _release_finished_workers(self._pcontext)
+            if death_sig == signal.SIGINT:  # Ctrl-C: the workers stop as on SIGTERM, at a step boundary with a
+                death_sig = signal.SIGTERM  # last checkpoint (a KeyboardInterrupt mid-step would save nothing)
             super()._shutdown(death_sig, timeout)
             if recorder.token is not None:  # what the workers started (DataLoader workers, a publisher) goes with them
                 sweep_attempt(recorder.token, groups)
@@ -464,8 +467,8 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
         reason = f"gave up after {attempts} attempt(s) (--max-restarts {opts.max_restarts}); last failure: {cause}"
         return _finish(opts, recorder, 1, reason, failed=True)
     except (KeyboardInterrupt, SignalException) as err:
-        sig = getattr(err, "sigval", signal.SIGINT)
-        return _finish(opts, recorder, 128 + int(sig), f"stopped by {signal.Signals(sig).name}", failed=True)
+        sig = signal.Signals(getattr(err, "sigval", signal.SIGINT))
+        return _finish(opts, recorder, 128 + int(sig), stop_reason(opts.run_dir, sig), failed=True)
     return _finish(opts, recorder, 0, "finished", failed=False)
 
 
@@ -481,6 +484,22 @@ def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason
     _print_report(opts, end, failed=failed)
     recorder.finished(end)
     return exitcode
+
+
+def stop_reason(run_dir: Path, sig: signal.Signals) -> str:
+    """``stopped by the user (SIGINT) at step N, checkpoint at step M``: where a signal stopped the job, from its ledger."""
+    who = "the user (SIGINT)" if sig == signal.SIGINT else sig.name
+    try:
+        ledgers = read_ledger(run_dir)
+    except (OSError, ValueError):
+        return f"stopped by {who}"
+    last = max((lg.attempt for lg in ledgers), default=None)
+    steps = [e["step"] for lg in ledgers if lg.attempt == last for e in lg.events
+             if e["phase"] == Phase.TRAIN.value and e.get("step") is not None]
+    saved = [f["step"] for lg in ledgers for f in lg.facts if f.get("name") == CHECKPOINT_FACT and "step" in f]
+    where = f" at step {max(steps) + 1}" if steps else " before training"
+    checkpoint = f", checkpoint at step {max(saved)}" if saved else ", no checkpoint saved"
+    return f"stopped by {who}{where}{checkpoint}"
 
 
 def _root_cause(err: Any) -> str:

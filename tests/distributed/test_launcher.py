@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,10 +180,34 @@ def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     (end,) = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
-    assert end["reason"] == "stopped by SIGTERM"
-    assert summarize_run_dir(tmp_path / "run").outcome == "stopped by SIGTERM"
+    assert end["reason"].startswith("stopped by SIGTERM at step ") and end["reason"].endswith("no checkpoint saved")
+    assert summarize_run_dir(tmp_path / "run").outcome == end["reason"]
     assert "stopped by SIGTERM" in err
     assert "forcefully exiting" not in err, err[-3000:]  # the workers stopped on the SIGTERM, not at torch's 30 s SIGKILL
+
+
+def test_ctrl_c_stops_the_job_as_sigterm_does_with_a_checkpoint_at_the_step_it_stopped(tmp_path):
+    (tmp_path / "out").mkdir()
+    proc = subprocess.Popen([LIGHTNING, "run", "--devices", "2", "--run-dir", str(tmp_path / "run"), JOB, "--out",
+                             str(tmp_path / "out"), "--max-steps", "100000", "--step-sleep", "0.05", "--ett-from-env",
+                             "--ckpt-dir", str(tmp_path / "ckpt"), "--async-every", "100000"],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(list((tmp_path / "run" / "ledger").glob("attempt-0000/rank-*.jsonl"))) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None and time.time() < deadline, "the job never started training"
+    time.sleep(3)  # training
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends (to the launcher's process group: the workers lead their own)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    (end,) = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
+    stopped = re.fullmatch(r"stopped by the user \(SIGINT\) at step (\d+), checkpoint at step (\d+)", end["reason"])
+    assert stopped and stopped[1] == stopped[2], end["reason"]  # saved where it stopped, as on SIGTERM
+    newest = checkpoint_layout.newest_complete(tmp_path / "ckpt")
+    assert newest is not None and newest.name == f"step-{int(stopped[2]):09d}"
+    assert end["reason"] in err and "KeyboardInterrupt" not in out + err, err[-3000:]
+    report = " ".join(out.split())
+    assert "1 attempt(s), stopped;" in report and "stopped (below)" in report and "SIGTERMException" not in report
 
 
 def test_a_rank_failing_after_another_finished_ends_the_launch_instead_of_hanging_it(tmp_path):
