@@ -48,6 +48,8 @@ def test_bad_option_values_are_rejected_naming_the_option(argv, message, script,
         (["--num-nodes", "2", "--run-dir", "r"], "with --num-nodes > 1 pass --main-address"),
         (["--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0': expected HOST:PORT"),
         (["--rdzv-endpoint", "a:1", "--main-port", "2"], "disagrees with --main-address/--main-port"),
+        (["--progress-every", "-5"], "--progress-every -5.0: expected seconds >= 0 (0: no progress line)"),
+        (["--progress-every", "nan"], "--progress-every nan: expected seconds >= 0"),
     ],
 )
 def test_inconsistent_options_are_rejected_before_anything_starts(argv, message, script, capsys):

@@ -117,6 +117,9 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--no-preload", dest="preload", action="store_false",
                      help="Start each worker as a fresh `python SCRIPT` instead of forking it from a server that "
                      "imported torch, Lightning and TorchRec once per node.")
+    run.add_argument("--progress-every", "--progress_every", type=float, default=None, metavar="SECONDS",
+                     help="Print a progress line (step, steps/s, ETT%% so far, phase) every SECONDS on node 0 "
+                     "(default 30; 0: none).")
     hang = run.add_argument_group("hang watch", "A job none of whose ranks makes progress (ledger, collectives, CPU, "
                                   "I/O, stack) for longer than its phase allows is hung: its stacks are dumped into "
                                   "RUN_DIR/stacks/, the rank the others wait for is named, and the group is stopped and "
@@ -196,10 +199,15 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
         raise ValueError(f"--run-dir {str(path)!r} is not writable: pass a directory this job can create files in.")
     hang = _hang_options(args)
     _check_fault_switches()
+    from lightning_ett.launch.progress_line import DEFAULT_EVERY_S
+
+    progress = DEFAULT_EVERY_S if args.progress_every is None else args.progress_every
+    if not progress >= 0 or progress == float("inf"):
+        raise ValueError(f"--progress-every {args.progress_every!r}: expected seconds >= 0 (0: no progress line).")
     return LaunchOptions(
         hang=hang, script=str(script), script_args=tuple(args.script_args), devices=args.devices, num_nodes=args.num_nodes,
         node_rank=args.node_rank, main_address=address or "127.0.0.1", main_port=port,
-        max_restarts=args.max_restarts, run_dir=path, job_id=job_id, preload=args.preload,
+        max_restarts=args.max_restarts, run_dir=path, job_id=job_id, preload=args.preload, progress_every_s=progress,
     )
 
 

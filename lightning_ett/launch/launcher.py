@@ -72,6 +72,8 @@ from lightning_ett.instrument.ledger import (
 )
 from lightning_ett.instrument.timeline import CHECKPOINT_FACT, Phase
 from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch
+from lightning_ett.launch.progress_line import DEFAULT_EVERY_S as DEFAULT_PROGRESS_EVERY_S
+from lightning_ett.launch.progress_line import ProgressLine
 from lightning_ett.launch.wandb_service import WandbService
 from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE
 from lightning_ett.lifecycle.sweeper import Sweeper, sweep_attempt
@@ -97,6 +99,7 @@ class LaunchOptions:
     job_id: str = ""
     monitor_interval: float = 0.1
     hang: HangOptions = field(default_factory=HangOptions)
+    progress_every_s: float = DEFAULT_PROGRESS_EVERY_S  # 0: no progress line
 
 
 def next_attempt(run_dir: Path) -> int:
@@ -165,6 +168,8 @@ class LaunchRecorder:
         else:
             self.watch = None
         self.hang: HangVerdict | None = None  # set by the watch: the failure that follows is this hang
+        self.progress = (ProgressLine(opts.run_dir, opts.progress_every_s)
+                         if opts.progress_every_s > 0 and opts.node_rank == 0 else None)
         self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
         self.writer.append({
             "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
@@ -185,10 +190,14 @@ class LaunchRecorder:
         self.hang = None
         if self.watch is not None:
             self.watch.attempt_started(self.attempt, now)
+        if self.progress is not None:
+            self.progress.attempt_started(self.attempt, now)
         return env
 
     def watch_workers(self, workers: dict[int, tuple[int, str | None]]) -> None:
         """One look at this node's ranks (``global rank -> (pid, stderr log)``); a hang stops them."""
+        if self.progress is not None and (line := self.progress.poll()) is not None:
+            print(line, flush=True)
         if self.watch is not None and self.hang is None:
             self.hang = self.watch.poll(workers)
             while self.watch.cleared:  # suspicions a working rank cleared: in the ledger, not on the console

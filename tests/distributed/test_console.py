@@ -37,11 +37,18 @@ def warning_lines(console: str) -> list[tuple[str, str]]:
 
 def test_the_examples_console_repeats_no_warning(tmp_path):
     config = example_config(tmp_path, steps=120, save_every=20)  # 6 saves, 4 straggler windows
-    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"), str(EXAMPLE),
-                         "fit", "--config", str(config), "--data.batch_size", "128", cwd=tmp_path)
+    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
+                         "--progress-every", "2", str(EXAMPLE), "fit", "--config", str(config), "--data.batch_size", "128",
+                         cwd=tmp_path)
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     assert console.count("AsyncCheckpoint: step") >= 6  # the saves happened
+    # The progress line, as a log file gets it (not a terminal): step, steps/s, ETT% so far, phase
+    progress = re.findall(r"^lightning run: attempt 0 · step (\d+) · [\d.]+ steps/s · ETT ([\d.]+)% so far · (\w+)$",
+                          proc.stdout, re.MULTILINE)
+    assert len(progress) >= 2, proc.stdout[-3000:]
+    assert [int(step) for step, _, _ in progress] == sorted(int(step) for step, _, _ in progress)
+    assert all(0 <= float(ett) <= 100 for _, ett, _ in progress)
     repeated = {line: n for line, n in collections.Counter(warning_lines(console)).items() if n > 1}
     assert not repeated, repeated
 
@@ -60,9 +67,10 @@ def report_figures(text: str) -> list[str]:
 def test_the_final_report_and_a_later_report_agree_and_the_later_one_rewrites_nothing(tmp_path):
     config = example_config(tmp_path, steps=40, save_every=20)
     run_dir = tmp_path / "run"
-    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(run_dir), str(EXAMPLE), "fit",
-                         "--config", str(config), "--data.batch_size", "128", cwd=tmp_path)
+    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(run_dir), "--progress-every", "0",
+                         str(EXAMPLE), "fit", "--config", str(config), "--data.batch_size", "128", cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert " steps/s · " not in proc.stdout  # --progress-every 0: no progress line
     printed = report_figures(proc.stdout)
     assert printed and printed[0].startswith("ETT "), proc.stdout[-3000:]
     assert any("no failure seen yet" in line for line in printed), printed  # no overhead predicted from nothing
