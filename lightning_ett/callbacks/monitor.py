@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -371,7 +372,10 @@ class ETTMonitor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._patches.undo()
-        self._timeline.set_status("failed", reason=explain(exception))
+        if isinstance(exception, SIGTERMException):  # asked to stop (a scheduler, Ctrl-C under `lightning run`):
+            self._timeline.set_status("stopped", reason="SIGTERM")  # every rank stopped after the same batch
+        else:
+            self._timeline.set_status("failed", reason=explain(exception))
         self._timeline.shutdown_from = time.time()
 
     # ------------------------------------------------------------------ state

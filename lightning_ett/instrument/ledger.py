@@ -179,14 +179,29 @@ def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> li
     return ledgers
 
 
+def stopped_attempts(launcher: list[dict[str, Any]]) -> dict[int, str]:
+    """Attempts a signal to the launcher stopped (its ``end`` record says ``stopped by ...``), with that reason."""
+    stopped, current = {}, None
+    for r in launcher:  # by time
+        if r.get("kind") == "attempt":
+            current = int(r["attempt"])
+        elif r.get("kind") == "end" and str(r.get("reason", "")).startswith("stopped by ") and current is not None:
+            stopped[current] = str(r["reason"])
+    return stopped
+
+
 def failed_attempts(run_dir: str | os.PathLike, before: int) -> int:
     """How many of the job's attempts numbered below ``before`` ended in a failure.
 
     An attempt failed if the launcher recorded a failure for it, or if it left rank ledgers
-    none of which says ``finished`` (a SIGKILL leaves no status at all). The cadence policy
-    of AsyncCheckpoint divides the job's wall time by this to estimate the time between failures.
+    none of which says ``finished`` or ``stopped`` (a SIGKILL leaves no status at all). An attempt
+    stopped on request (Ctrl-C, a scheduler's SIGTERM: it saved where it stopped) is no failure.
+    The cadence policy of AsyncCheckpoint divides the job's wall time by this to estimate the
+    time between failures.
     """
-    failed = {int(r["attempt"]) for r in read_launcher_records(run_dir) if r.get("kind") == "failure" and "attempt" in r}
+    launcher = read_launcher_records(run_dir)
+    failed = {int(r["attempt"]) for r in launcher if r.get("kind") == "failure" and "attempt" in r}
+    failed -= set(stopped_attempts(launcher))
     for attempt in recorded_attempts(run_dir):
         if attempt < before and attempt not in failed:
             files = (Path(run_dir) / LEDGER_DIR / f"attempt-{attempt:04d}").glob("rank-*.jsonl")
@@ -206,5 +221,5 @@ def _ends_finished(path: Path) -> bool:
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict) and record.get("kind") == "status":
-            return record.get("status") == "finished"
+            return record.get("status") in ("finished", "stopped")
     return False

@@ -97,13 +97,13 @@ def render_attempts(summary: Summary) -> Table:
         steps = f"{info.first_step}..{info.last_step}" if info.first_step is not None else "-"
         if info.completed:
             ended = "finished" if info.ranks else "finished (exited before recording any phase)"
-        elif info is summary.attempts[-1] and _stopped(summary):
-            ended = "stopped (below)"  # (not its ranks' SIGTERMException: the stop was asked for)
+        elif info.stopped is not None:  # (not its ranks' SIGTERMException: the stop was asked for)
+            ended = "stopped (below)" if info.stopped == summary.outcome else info.stopped
         else:
             ended = info.failure or "no status (killed, or still running)"
         ranks = ",".join(map(str, info.ranks)) if info.ranks else "-"
         table.add_row(str(info.attempt), ranks, steps, f"{info.end - info.start:.1f}", escape(ended),
-                      style="" if info.completed or ended == "stopped (below)" else "red")
+                      style="" if info.completed or info.stopped is not None else "red")
     return table
 
 
@@ -163,8 +163,8 @@ def print_report(summary: Summary, console: Console | None = None) -> None:
     console.print(render_table(summary))
     if len(summary.attempts) > 1 or any(not a.completed for a in summary.attempts) or summary.outcome:
         console.print(render_attempts(summary))
-    for line in fact_lines(summary):
-        console.print(escape(line), style="red" if "error" in line else "")
+    for line in fact_lines(summary):  # (a log file: one line each, not cut at 80 columns mid-path)
+        console.print(escape(line), style="red" if "error" in line else "", soft_wrap=not console.is_terminal)
     if summary.torn_records:
         console.print(f"[yellow]{summary.torn_records} ledger line(s) skipped: torn by a kill mid-write, or not a "
                       "valid record.[/yellow]")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ett.durable.files import atomic_write_json
-from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger
+from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger, stopped_attempts
 from lightning_ett.instrument.step_health import step_health_summary
 from lightning_ett.instrument.straggler_facts import straggler_digest
 from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, STRAGGLER_FACT, Phase
@@ -53,6 +53,7 @@ class AttemptInfo:
     last_step: int | None
     completed: bool
     failure: str | None = None
+    stopped: str | None = None  # stopped on request (Ctrl-C, a scheduler's SIGTERM): how, instead of a failure
 
 
 @dataclass
@@ -284,6 +285,7 @@ def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
 def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list[AttemptInfo]:
     started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
     finished = _finished_by_launcher(launcher)
+    stops = stopped_attempts(launcher)
     failures: dict[int, list[dict[str, Any]]] = {}
     for r in launcher:
         if r.get("kind") == "failure":
@@ -300,12 +302,16 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
                                 for r in said if r.get("root_cause", True))
         else:
             failure = "; ".join(f"rank {lg.rank} {lg.reason}" for lg in group if lg.status == "failed" and lg.reason) or None
+        stopped = stops.get(attempt) or ("stopped (SIGTERM)" if group and all(lg.status == "stopped" for lg in group)
+                                         else None)
+        if stopped is not None and not said:
+            failure = None  # (its ranks' SIGTERMException is how a requested stop ends, not what went wrong)
         if not group:
             if attempt not in started:
                 continue
             end = max([r["time"] for r in said] + [started[attempt]])
             infos.append(AttemptInfo(attempt, started[attempt], end, [], None, None, attempt in finished and not said,
-                                     failure))
+                                     failure, stopped))
             continue
         steps = [s for lg in group for s in _train_steps(lg)]
         infos.append(
@@ -320,6 +326,7 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
                 # (a hang after fit, a crash at exit) did not finish the attempt.
                 completed=not said and (any(lg.status == "finished" for lg in group) or attempt in finished),
                 failure=failure,
+                stopped=stopped,
             )
         )
     return infos

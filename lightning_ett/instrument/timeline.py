@@ -223,7 +223,7 @@ class Timeline:
                 self._writer.append(record)
 
     def set_status(self, status: str, reason: str | None = None) -> None:
-        """Mark how this attempt ended on this rank (``finished`` or ``failed``, and why)."""
+        """Mark how this attempt ended on this rank (``finished``, ``failed`` or ``stopped`` on request, and why)."""
         record: dict[str, Any] = {"kind": "status", "status": status, "time": time.time()}
         if reason:
             record["reason"] = reason

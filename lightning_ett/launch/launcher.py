@@ -438,6 +438,8 @@ def launch(opts: LaunchOptions) -> int:
             recorder = LaunchRecorder(opts, job_start, service, token=sweeper.token)
             try:
                 return _launch(opts, recorder)
+            except KeyboardInterrupt:  # Ctrl-C before the agent took over its signals (importing torch): a stop
+                return _finish(opts, recorder, 128 + signal.SIGINT, stop_reason(opts.run_dir, signal.SIGINT), failed=True)
             except BaseException as err:
                 recorder.finished(recorder.end_record(1, f"launcher error: {type(err).__name__}: {err}"))
                 raise
@@ -541,7 +543,8 @@ def _print_report(opts: LaunchOptions, end: dict[str, Any], failed: bool) -> Non
         console.print(f"[yellow]Could not write the ETT report ({escape(repr(err))}); "
                       f"try `lightning-ett report {opts.run_dir}`.[/yellow]")
         return
-    console.print(f"[dim]{opts.run_dir / REPORT_PNG}  ·  lightning-ett report {opts.run_dir}[/dim]")
+    console.print(f"[dim]{opts.run_dir / REPORT_PNG}  ·  lightning-ett report {opts.run_dir}[/dim]",
+                  soft_wrap=not console.is_terminal)
     sys.stdout.flush()
 
 

@@ -47,11 +47,11 @@ class ProgressLine:
         rank0 = self._rank0
         if not rank0.seen:
             return None
+        step = rank0.current_step  # (optimizer steps: the rate too, not batches, which accumulation multiplies)
         rate = ""
-        if self._last is not None and now > self._last[0]:
-            rate = f" · {(rank0.trained_steps - self._last[1]) / (now - self._last[0]):.1f} steps/s"
-        self._last = (now, rank0.trained_steps)
-        step = rank0.current_step
+        if self._last is not None and step is not None and now > self._last[0]:
+            rate = f" · {(step - self._last[1]) / (now - self._last[0]):.1f} steps/s"
+        self._last = (now, step) if step is not None else None
         phase = rank0.open_phase or ("shutdown" if rank0.exited else "fit over" if rank0.done else
                                      "train" if step is not None else "start-up")
         ett = self._ett_so_far(now)

@@ -18,7 +18,7 @@ from conftest import LIGHTNING, REPO, SCRIPTS, clean_env, lightning_run, rank_fa
 from lightning_ett import summarize_run_dir
 from lightning_ett.checkpoint import layout as checkpoint_layout
 from lightning_ett.durable.procfs import process_alive
-from lightning_ett.instrument.ledger import read_launcher_records, read_ledger
+from lightning_ett.instrument.ledger import failed_attempts, read_launcher_records, read_ledger
 from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees
 
 JOB = str(SCRIPTS / "ett_job.py")
@@ -208,6 +208,16 @@ def test_ctrl_c_stops_the_job_as_sigterm_does_with_a_checkpoint_at_the_step_it_s
     assert end["reason"] in err and "KeyboardInterrupt" not in out + err, err[-3000:]
     report = " ".join(out.split())
     assert "1 attempt(s), stopped;" in report and "stopped (below)" in report and "SIGTERMException" not in report
+    # Relaunched, it resumes where it stopped; the stop stays a stop (not a failure, nor one for the cadence's MTBF)
+    step = int(stopped[2])
+    again = lightning_run("--devices", "2", "--run-dir", str(tmp_path / "run"), JOB, "--out", str(tmp_path / "out"),
+                          "--max-steps", str(step + 6), "--ett-from-env", "--ckpt-dir", str(tmp_path / "ckpt"),
+                          "--async-every", "100000")
+    assert again.returncode == 0, again.stderr[-3000:]
+    first, second = summarize_run_dir(tmp_path / "run").attempts
+    assert first.stopped == end["reason"] and first.failure is None and second.first_step == step
+    assert failed_attempts(tmp_path / "run", before=2) == 0
+    assert "SIGTERMException" not in again.stdout
 
 
 def test_a_rank_failing_after_another_finished_ends_the_launch_instead_of_hanging_it(tmp_path):
