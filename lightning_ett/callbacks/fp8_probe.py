@@ -187,7 +187,7 @@ class FP8Probe(Callback):
                          for fqn, m in self._layers.items()}
         self._local = dict.fromkeys(self._selected, UNDECIDED)
         self._generator = torch.Generator().manual_seed(trainer.global_rank)  # which rows a sample measures
-        self._schedule.manual_seed(1_000_003 + trainer.global_rank)
+        self._schedule.manual_seed(1_000_003)  # the same on every rank: a sample delays every rank, so they take it together
 
     def _select(self, pl_module: pl.LightningModule) -> list[str]:
         names = list(self._layers)
@@ -202,8 +202,8 @@ class FP8Probe(Callback):
                                          f"{type(pl_module).__name__}; {listing}. Patterns are fnmatch patterns of module names.")
         for pattern in self.exclude or []:
             if not any(_matches(fqn, pattern) for fqn in names):
-                warnings.warn(f"FP8Probe(exclude=[..., {pattern!r}, ...]) matches no nn.Linear layer; {listing}.",
-                              stacklevel=2)
+                rank_zero_warn(f"FP8Probe(exclude=[..., {pattern!r}, ...]) matches no nn.Linear layer; {listing}.",
+                               stacklevel=2)
         selected = [fqn for fqn in names if (self.include is None or any(_matches(fqn, p) for p in self.include))
                     and not any(_matches(fqn, p) for p in self.exclude or [])]
         if not selected:
@@ -314,7 +314,7 @@ class FP8Probe(Callback):
         self._remove_hooks()
         if not self._hooks_fired and not self._warned_no_hooks:
             self._warned_no_hooks = True
-            warnings.warn("FP8Probe: a sampled training step ran none of the probed layers' forward hooks, so nothing "
+            rank_zero_warn("FP8Probe: a sampled training step ran none of the probed layers' forward hooks, so nothing "
                           "was measured. A module compiled with torch.compile does not run hooks added after its "
                           "compilation (Dynamo skips nn.Module hook guards): probe an eager run, or set "
                           "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling.", stacklevel=2)
@@ -521,7 +521,7 @@ class FP8Probe(Callback):
 
         table = Table(title=f"FP8Probe ({self.recipe}: {self.tail:.0%} of steps may fall below "
                       f"{self.sqnr_threshold_db:g} dB, at {self.confidence:.0%} confidence)")
-        table.add_column("layer", no_wrap=True, min_width=max(map(len, self.results), default=5))
+        table.add_column("layer", no_wrap=True, min_width=max(map(len, self.results), default=5), overflow="fold")
         for column in ("verdict", "eligible", f"SQNR q{round(100 * self.tail)}/worst dB", "windows", "FLOPs", "M×K×N"):
             table.add_column(column, overflow="fold")
         style = {"safe": "green", "unsafe": "red", UNDECIDED: "yellow"}
@@ -532,8 +532,11 @@ class FP8Probe(Callback):
                           f"{_num(r[quantile])} / {_num(r['sqnr_db_worst'])}", windows,
                           f"{100 * r['flop_share']:.1f}%", f"{r['shape']['M']}×{r['shape']['K']}×{r['shape']['N']}")
         console = Console()
+        longest = max(map(len, self.results), default=5)
         if not console.is_terminal:  # (a log file: rich's 80 columns would squeeze the names out of the table)
-            console = Console(width=max(console.width, max(map(len, self.results), default=0) + 80))
+            console = Console(width=max(console.width, longest + 80))
+        else:  # a terminal: the names may wrap rather than crush the numbers
+            table.columns[0].no_wrap, table.columns[0].min_width = False, min(longest, console.width // 2)
         console.print(table)
         for fqn, r in self.results.items():
             console.print(escape(f"  {fqn}: {r['verdict']}: {r['reason']}"), highlight=False)

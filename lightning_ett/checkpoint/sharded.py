@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_ett.checkpoint import dcp_io
 from lightning_ett.checkpoint.layout import commit_checkpoint, read_meta, require_complete
 from lightning_ett.checkpoint.writer import CheckpointWriteError
-from lightning_ett.durable.commit import temp_path
+from lightning_ett.durable.commit import discard_unfinished, temp_path
 from lightning_ett.durable.errors import explain
 from lightning_ett.durable.files import remove_path
 
@@ -85,12 +85,15 @@ def save_sharded(tensors: dict[str, Any], checkpoint: dict[str, Any], path: str 
     try:
         dcp_io.write(tensors, tmp)
     except BaseException as e:
-        raise CheckpointWriteError(f"Writing checkpoint {str(final)!r} failed: {explain(e, tmp)}") from e
+        said = explain(e, tmp)
+        discard_unfinished(tmp)
+        raise CheckpointWriteError(f"Writing checkpoint {str(final)!r} failed: {said}") from e
     if rank == 0:
         try:
             commit_checkpoint(tmp, final, checkpoint, int(checkpoint.get("global_step", 0)))
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = explain(e, tmp)
+            discard_unfinished(tmp)
     error = broadcast(error)
     if error is not None:
         raise CheckpointWriteError(f"Committing checkpoint {str(final)!r} failed on rank 0: {error}")

@@ -29,7 +29,6 @@ Order of a save of step ``s`` (names from :mod:`lightning_ett.checkpoint.layout`
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from lightning_ett.checkpoint import dcp_io
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.staging import Snapshot
-from lightning_ett.durable.commit import retire, temp_path
+from lightning_ett.durable.commit import discard_unfinished, retire, temp_path
 from lightning_ett.durable.errors import ExplainedError, explain
 from lightning_ett.durable.files import atomic_write_text, remove_path
 from lightning_ett.patching import Patches
@@ -219,8 +218,7 @@ class CheckpointWriter:
             checksums = dcp_io.write(snapshot.state["dcp"], tmp, self.group, collective=self.collective, staged=True)
         except BaseException as e:
             said = explain(e, tmp)
-            with contextlib.suppress(OSError):  # never committed, so never read: its space back now (a full disk),
-                remove_path(tmp)  # not at the next start (a collective write's other ranks fail on it too: it failed)
+            discard_unfinished(tmp)  # (a collective write's other ranks fail on it too: the save failed anyway)
             raise CheckpointWriteError(f"writing checkpoint {str(final)!r} failed: {said}") from e
         valid, checksums = self._agree_after_write(snapshot, checksums)
         if not valid:
@@ -236,8 +234,7 @@ class CheckpointWriter:
                 nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums)
             except Exception as e:
                 error = explain(e, tmp)
-                with contextlib.suppress(OSError):
-                    remove_path(tmp)  # not committed: its space back now (a full disk), as a failed write's
+                discard_unfinished(tmp)
                 if not self.collective or self.group is None:
                     raise CheckpointWriteError(f"committing checkpoint {str(final)!r} failed: {error}") from e
         if self.collective and self.group is not None:

@@ -18,6 +18,7 @@ or — between 3 and 4 — no ``<name>`` but a complete ``<name>.replaced``, whi
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,13 @@ _crash_point: Callable[[str], None] | None = None
 
 def temp_path(final: Path) -> Path:
     return final.with_name(final.name + TMP_SUFFIX)
+
+
+def discard_unfinished(tmp: Path) -> None:
+    """Delete the ``.tmp`` of a write or commit that failed, at once (best effort): never committed, so never read,
+    and on a full disk its space is what the next save needs (:func:`remove_stale` would wait for the next start)."""
+    with contextlib.suppress(OSError):
+        remove_path(tmp)
 
 
 def replaced_path(final: Path) -> Path:

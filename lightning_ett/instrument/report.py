@@ -220,7 +220,7 @@ def render_png(summary: Summary, path: str | os.PathLike) -> Path:
 
 def write_report(summary: Summary, run_dir: str | os.PathLike, console: Console | None = None, show: bool = True) -> None:
     """Everything a finished job leaves behind: JSON, PNG, and (optionally) the printed table."""
+    render_png(summary, Path(run_dir) / REPORT_PNG)  # (first: a JSON that says "done" comes with its PNG)
     summary.write_json(run_dir)
-    render_png(summary, Path(run_dir) / REPORT_PNG)
     if show:
         print_report(summary, console)

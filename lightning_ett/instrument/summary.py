@@ -261,7 +261,11 @@ def summarize(
     if not any(lg.events for lg in ledgers):  # no rank got as far as recording: the job never left launch
         phases[Phase.LAUNCH.value] = job_end - job_start
     ends_said = [r for r in launcher if r.get("kind") == "end"]
-    outcome = ends_said[-1].get("reason") if ends_said else None
+    last_launch = max((r.get("time", 0.0) for r in launcher if r.get("kind") == "launch"), default=0.0)
+    # A stop asked of one node's launcher ends the job on every node; another node, whose workers Lightning let exit 0
+    # on the SIGTERM that came through the process group, says "finished": the stop is the job's outcome.
+    stops = [r for r in ends_said if r.get("time", 0.0) >= last_launch and str(r.get("reason", "")).startswith("stopped by")]
+    outcome = (stops or ends_said)[-1].get("reason") if ends_said else None
     facts = sorted((f for lg in ledgers for f in lg.facts), key=lambda f: f.get("time", 0.0))
     first_rank = [lg for lg in ledgers if lg.rank == min(by_rank)]  # rank 0's steps, as the live figures
     health = step_health_summary((e for lg in first_rank for e in lg.events), segments, job_start, job_end)

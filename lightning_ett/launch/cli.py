@@ -33,7 +33,9 @@ def _report(args: argparse.Namespace) -> int:
         print(f"lightning-ett report: RUN_DIR {str(run_dir)!r} is not a directory.", file=sys.stderr)
         return 2
     try:
-        summary = summarize_run_dir(run_dir, now=time.time() if args.now else None)
+        summary = summarize_run_dir(run_dir)
+        if args.now and summary.outcome is None:  # (--now: a running job's wall time so far; an ended job has its end)
+            summary = summarize_run_dir(run_dir, now=time.time())
     except (FileNotFoundError, ValueError) as err:
         print(f"lightning-ett report: {err}", file=sys.stderr)
         return 2
@@ -47,9 +49,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _unchanged(path: Path, summary: dict[str, Any]) -> bool:
-    """Does ``path`` already hold ``summary`` (as JSON writes it)?"""
+    """Does ``path`` already hold ``summary``, byte for byte as :meth:`Summary.write_json` writes it?"""
     try:
-        return json.loads(path.read_text()) == json.loads(json.dumps(summary))
+        return path.read_text() == json.dumps(summary, indent=2) + "\n"
     except (OSError, ValueError):
         return False
 

@@ -76,7 +76,7 @@ from lightning_ett.launch.progress_line import DEFAULT_EVERY_S as DEFAULT_PROGRE
 from lightning_ett.launch.progress_line import ProgressLine
 from lightning_ett.launch.wandb_service import WandbService
 from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE
-from lightning_ett.lifecycle.sweeper import Sweeper, sweep_attempt
+from lightning_ett.lifecycle.sweeper import Sweeper, kill_process_groups, sweep_attempt
 
 WORKER_LOGS = "worker_logs"
 DEFAULT_MAX_RESTARTS = 3
@@ -196,8 +196,14 @@ class LaunchRecorder:
 
     def watch_workers(self, workers: dict[int, tuple[int, str | None]]) -> None:
         """One look at this node's ranks (``global rank -> (pid, stderr log)``); a hang stops them."""
-        if self.progress is not None and (line := self.progress.poll()) is not None:
-            print(line, flush=True)
+        if self.progress is not None:
+            try:
+                if (line := self.progress.poll()) is not None:
+                    print(line, flush=True)
+            except Exception as err:  # noqa: BLE001 - a closed stdout, an odd ledger: the line goes, the job stays
+                self.progress = None
+                with contextlib.suppress(Exception):
+                    print(f"lightning run: progress line off ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
         if self.watch is not None and self.hang is None:
             self.hang = self.watch.poll(workers)
             while self.watch.cleared:  # suspicions a working rank cleared: in the ledger, not on the console
@@ -310,11 +316,35 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
             _release_finished_workers(self._pcontext)
             if death_sig == signal.SIGINT:  # Ctrl-C: the workers stop as on SIGTERM, at a step boundary with a
                 death_sig = signal.SIGTERM  # last checkpoint (a KeyboardInterrupt mid-step would save nothing)
+                print("lightning run: stopping every rank after its current step (Ctrl-C again: kill it now)",
+                      file=sys.stderr, flush=True)
+            if death_sig == signal.SIGTERM and self._pcontext is not None:
+                timeout = _stop_workers(self._pcontext, timeout)
             super()._shutdown(death_sig, timeout)
             if recorder.token is not None:  # what the workers started (DataLoader workers, a publisher) goes with them
                 sweep_attempt(recorder.token, groups)
 
     return RecordingAgent
+
+
+def _stop_workers(pcontext: Any, timeout: float) -> float:
+    """SIGTERM to each worker process — not its process group, as torch sends it to a ``--no-preload`` worker: that
+    would kill its DataLoader workers too, and the rank would die mid-step instead of saving — then up to ``timeout``
+    for them to exit; returns the time left. A second Ctrl-C (or SIGTERM) meanwhile kills them at once."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    pids = dict(pcontext.pids())
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and len(_exited_local_ranks(pcontext)) < len(pids):
+            time.sleep(0.05)
+    except (SignalException, KeyboardInterrupt):
+        kill_process_groups(list(pids.values()), signal.SIGKILL)
+        return 0.0
+    return max(deadline - time.monotonic(), 0.0)
 
 
 def _release_finished_workers(pcontext: Any) -> None:
@@ -439,7 +469,8 @@ def launch(opts: LaunchOptions) -> int:
             try:
                 return _launch(opts, recorder)
             except KeyboardInterrupt:  # Ctrl-C before the agent took over its signals (importing torch): a stop
-                return _finish(opts, recorder, 128 + signal.SIGINT, stop_reason(opts.run_dir, signal.SIGINT), failed=True)
+                return _finish(opts, recorder, 128 + signal.SIGINT, stop_reason(opts.run_dir, signal.SIGINT, recorder.attempt),
+                               failed=True)
             except BaseException as err:
                 recorder.finished(recorder.end_record(1, f"launcher error: {type(err).__name__}: {err}"))
                 raise
@@ -479,7 +510,7 @@ def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:
         return _finish(opts, recorder, 1, reason, failed=True)
     except (KeyboardInterrupt, SignalException) as err:
         sig = signal.Signals(getattr(err, "sigval", signal.SIGINT))
-        return _finish(opts, recorder, 128 + int(sig), stop_reason(opts.run_dir, sig), failed=True)
+        return _finish(opts, recorder, 128 + int(sig), stop_reason(opts.run_dir, sig, recorder.attempt), failed=True)
     return _finish(opts, recorder, 0, "finished", failed=False)
 
 
@@ -497,19 +528,19 @@ def _finish(opts: LaunchOptions, recorder: LaunchRecorder, exitcode: int, reason
     return exitcode
 
 
-def stop_reason(run_dir: Path, sig: signal.Signals) -> str:
-    """``stopped by the user (SIGINT) at step N, checkpoint at step M``: where a signal stopped the job, from its ledger."""
+def stop_reason(run_dir: Path, sig: signal.Signals, attempt: int) -> str:
+    """``stopped by the user (SIGINT) at step N, checkpoint at step M``: where a signal stopped ``attempt``, from the
+    ledger (its steps; the checkpoints AsyncCheckpoint recorded in the job)."""
     who = "the user (SIGINT)" if sig == signal.SIGINT else sig.name
     try:
         ledgers = read_ledger(run_dir)
     except (OSError, ValueError):
         return f"stopped by {who}"
-    last = max((lg.attempt for lg in ledgers), default=None)
-    steps = [e["step"] for lg in ledgers if lg.attempt == last for e in lg.events
+    steps = [e["step"] for lg in ledgers if lg.attempt == attempt for e in lg.events
              if e["phase"] == Phase.TRAIN.value and e.get("step") is not None]
     saved = [f["step"] for lg in ledgers for f in lg.facts if f.get("name") == CHECKPOINT_FACT and "step" in f]
     where = f" at step {max(steps) + 1}" if steps else " before training"
-    checkpoint = f", checkpoint at step {max(saved)}" if saved else ", no checkpoint saved"
+    checkpoint = f", checkpoint at step {max(saved)}" if saved else ", no AsyncCheckpoint checkpoint recorded"
     return f"stopped by {who}{where}{checkpoint}"
 
 

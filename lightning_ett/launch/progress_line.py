@@ -9,6 +9,7 @@ same console, and a log file (the usual case on a cluster) keeps every line. Off
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class ProgressLine:
         self._last: tuple[float, int] | None = None  # (time, trained steps) at the last line
         self._ett: float | None = None
         self._summary_due = 0.0
+        self._summarizing: threading.Thread | None = None
 
     def attempt_started(self, attempt: int, started: float) -> None:
         self._attempt = attempt
@@ -59,14 +61,20 @@ class ProgressLine:
                 f"{f' · ETT {ett:.1f}% so far' if ett is not None else ''} · {phase}")
 
     def _ett_so_far(self, now: float) -> float | None:
-        """The job's ETT% up to now, as the report would say it; computed at most as often as its cost allows."""
-        if now < self._summary_due:
-            return self._ett
+        """The job's ETT% as the report would say it, as of the last summary made: made on a thread of its own (a
+        long job's ledgers take seconds to read, and the agent's monitor loop, which calls this, must not wait),
+        at most as often as its cost allows."""
+        if now >= self._summary_due and (self._summarizing is None or not self._summarizing.is_alive()):
+            self._summary_due = float("inf")  # (until this one is done)
+            self._summarizing = threading.Thread(target=self._summarize, args=(now,), name="ett-progress", daemon=True)
+            self._summarizing.start()
+        return self._ett
+
+    def _summarize(self, now: float) -> None:
         began = time.perf_counter()
         try:
             self._ett = summarize(read_ledger(self.run_dir), now=now, launcher=read_launcher_records(self.run_dir)).ett_percent
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - a figure of the progress line: never the job's problem
             self._ett = None
         cost = time.perf_counter() - began
-        self._summary_due = now + max(self.every_s, cost / SUMMARY_SHARE)
-        return self._ett
+        self._summary_due = time.time() + max(self.every_s, cost / SUMMARY_SHARE)

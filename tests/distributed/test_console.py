@@ -38,17 +38,18 @@ def warning_lines(console: str) -> list[tuple[str, str]]:
 def test_the_examples_console_repeats_no_warning(tmp_path):
     config = example_config(tmp_path, steps=120, save_every=20)  # 6 saves, 4 straggler windows
     proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
-                         "--progress-every", "2", str(EXAMPLE), "fit", "--config", str(config), "--data.batch_size", "128",
+                         "--progress-every", "1", str(EXAMPLE), "fit", "--config", str(config), "--data.batch_size", "128",
                          cwd=tmp_path)
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     assert console.count("AsyncCheckpoint: step") >= 6  # the saves happened
     # The progress line, as a log file gets it (not a terminal): step, steps/s, ETT% so far, phase
-    progress = re.findall(r"^lightning run: attempt 0 · step (\d+)( · [\d.]+ steps/s)? · ETT ([\d.]+)% so far · (\w+)$",
-                          proc.stdout, re.MULTILINE)
+    progress = re.findall(r"^lightning run: attempt 0 · step (\d+)( · [\d.]+ steps/s)?(?: · ETT ([\d.]+)% so far)? · (\w+)$",
+                          proc.stdout, re.MULTILINE)  # (the rate from the second line; ETT% once a summary is made)
     assert len(progress) >= 2 and all(rate for _, rate, _, _ in progress[1:]), proc.stdout[-3000:]
+    assert any(ett for _, _, ett, _ in progress), proc.stdout[-3000:]
     assert [int(step) for step, _, _, _ in progress] == sorted(int(step) for step, _, _, _ in progress)
-    assert all(0 <= float(ett) <= 100 for _, _, ett, _ in progress)
+    assert all(0 <= float(ett) <= 100 for _, _, ett, _ in progress if ett)
     repeated = {line: n for line, n in collections.Counter(warning_lines(console)).items() if n > 1}
     assert not repeated, repeated
 

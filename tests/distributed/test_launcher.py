@@ -166,39 +166,38 @@ def test_a_worker_runs_the_script_as_python_would(tmp_path, start):
     assert {r["exitcode"] for r in failures} <= {3, -signal.SIGTERM}, failures  # the peer exited too, or was stopped
 
 
-def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path):
+def signal_a_training_job(tmp_path: Path, sig: signal.Signals, *job_args: str) -> subprocess.Popen[str]:
+    """``lightning run`` of the 2-rank job, sent ``sig`` once it has trained a few seconds; returns it, exited."""
     (tmp_path / "out").mkdir()
     proc = subprocess.Popen([LIGHTNING, "run", "--devices", "2", "--run-dir", str(tmp_path / "run"), JOB, "--out",
-                             str(tmp_path / "out"), "--max-steps", "100000", "--step-sleep", "0.05", "--ett-from-env"],
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(tmp_path / "out"), "--max-steps", "100000", "--step-sleep", "0.05", "--ett-from-env",
+                             *job_args], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while len(list((tmp_path / "run" / "ledger").glob("attempt-0000/rank-*.jsonl"))) < 2 and time.time() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None and time.time() < deadline, "the job never started training"
     time.sleep(3)  # training
-    proc.send_signal(signal.SIGTERM)  # what a scheduler sends before it takes the node
-    _, err = proc.communicate(timeout=120)
+    proc.send_signal(sig)
+    proc.output = proc.communicate(timeout=120)  # type: ignore[attr-defined]
+    return proc
+
+
+def test_a_sigterm_to_the_launcher_stops_the_job_and_the_ledger_says_so(tmp_path):
+    proc = signal_a_training_job(tmp_path, signal.SIGTERM)  # what a scheduler sends before it takes the node
+    _, err = proc.output
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     (end,) = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
-    assert end["reason"].startswith("stopped by SIGTERM at step ") and end["reason"].endswith("no checkpoint saved")
+    assert end["reason"].startswith("stopped by SIGTERM at step ")
+    assert end["reason"].endswith("no AsyncCheckpoint checkpoint recorded")
     assert summarize_run_dir(tmp_path / "run").outcome == end["reason"]
     assert "stopped by SIGTERM" in err
     assert "forcefully exiting" not in err, err[-3000:]  # the workers stopped on the SIGTERM, not at torch's 30 s SIGKILL
 
 
 def test_ctrl_c_stops_the_job_as_sigterm_does_with_a_checkpoint_at_the_step_it_stopped(tmp_path):
-    (tmp_path / "out").mkdir()
-    proc = subprocess.Popen([LIGHTNING, "run", "--devices", "2", "--run-dir", str(tmp_path / "run"), JOB, "--out",
-                             str(tmp_path / "out"), "--max-steps", "100000", "--step-sleep", "0.05", "--ett-from-env",
-                             "--ckpt-dir", str(tmp_path / "ckpt"), "--async-every", "100000"],
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while len(list((tmp_path / "run" / "ledger").glob("attempt-0000/rank-*.jsonl"))) < 2 and time.time() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None and time.time() < deadline, "the job never started training"
-    time.sleep(3)  # training
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends (to the launcher's process group: the workers lead their own)
-    out, err = proc.communicate(timeout=120)
+    # SIGINT is what Ctrl-C sends (to the launcher's process group: the workers lead their own)
+    proc = signal_a_training_job(tmp_path, signal.SIGINT, "--ckpt-dir", str(tmp_path / "ckpt"), "--async-every", "100000")
+    out, err = proc.output
     assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
     (end,) = [r for r in read_launcher_records(tmp_path / "run") if r["kind"] == "end"]
     stopped = re.fullmatch(r"stopped by the user \(SIGINT\) at step (\d+), checkpoint at step (\d+)", end["reason"])
@@ -218,6 +217,28 @@ def test_ctrl_c_stops_the_job_as_sigterm_does_with_a_checkpoint_at_the_step_it_s
     assert first.stopped == end["reason"] and first.failure is None and second.first_step == step
     assert failed_attempts(tmp_path / "run", before=2) == 0
     assert "SIGTERMException" not in again.stdout
+
+
+def test_ctrl_c_with_dataloader_workers_under_no_preload_still_saves_where_it_stopped(tmp_path):
+    """torch stops a --no-preload worker with a SIGTERM to its process group, which killed its DataLoader workers
+    and the rank mid-step; the launcher signals the rank alone."""
+    proc = subprocess.Popen([LIGHTNING, "run", "--no-preload", "--run-dir", str(tmp_path / "run"),
+                             str(SCRIPTS / "dataloader_workers_job.py"), str(tmp_path)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not summarize_steps(tmp_path / "run") and time.time() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    stopped = re.search(r"stopped by the user \(SIGINT\) at step (\d+), checkpoint at step (\d+)", err)
+    assert stopped and stopped[1] == stopped[2] and "is killed by signal" not in err, err[-3000:]
+
+
+def summarize_steps(run_dir: Path) -> int:
+    """Training steps rank 0 recorded so far (0 before its ledger exists)."""
+    return sum(e["phase"] == "train" for lg in read_ledger(run_dir) if lg.rank == 0 for e in lg.events) \
+        if (run_dir / "ledger").is_dir() else 0
 
 
 def test_a_rank_failing_after_another_finished_ends_the_launch_instead_of_hanging_it(tmp_path):
