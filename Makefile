@@ -10,14 +10,14 @@ STAMP := $(VENV)/.lightning-ett-installed
 
 install: $(STAMP)
 
+# The last two steps are what a first run would otherwise pay in every process: the package's
+# bytecode (an editable install compiles none; under PYTHONDONTWRITEBYTECODE every process
+# recompiles it) and matplotlib's font cache (the first report's PNG).
 $(STAMP): requirements/cpu.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-deps -r requirements/cpu.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, lightning, wandb, torchao, sklearn; print('lightning-ett env ok: torch', torch.__version__)"
-	# What a first run would otherwise pay in every process: the package's bytecode (an editable
-	# install compiles none; under PYTHONDONTWRITEBYTECODE every process recompiles it) and
-	# matplotlib's font cache (the first report's PNG).
 	$(PY) -m compileall -q lightning_ett examples tests benchmarks > /dev/null
 	$(PY) -c "import matplotlib.font_manager"
 	touch $(STAMP)
