@@ -389,8 +389,12 @@ class FP8Probe(Callback):
         self._remove_hooks()
         if not self._records:
             return
+        vectors = [record.to_vector() for record in self._records.values()]
         timing = [self.probe_s, self.train_s, float(self.samples_taken), float(self.train_steps)]
-        combined, per_rank = self._gather(trainer, timing)  # the one collective
+        local = torch.tensor(vectors + [timing + [0.0] * (len(vectors[0]) - len(timing))], dtype=torch.float64)
+        gathered = all_gather(trainer, local).cpu()  # the one collective
+        combined = combine(self._records, gathered[:, :-1])
+        per_rank = gathered[:, -1, :len(timing)]
         self._overheads = [float(p[0] / p[1]) if p[1] else 0.0 for p in per_rank]
         steps = max(float(p[3]) for p in per_rank)
         self.results = self._results(combined, steps)
@@ -549,16 +553,9 @@ class FP8Probe(Callback):
             return
         if self._failed or trainer.interrupted:  # a save in an exception's wake may run on one rank only (Lightning's
             return  # OnExceptionCheckpoint, save_on_exception): no collective that would hang it; rank 0's windows
-        combined, _ = self._gather(trainer)
-        state["records"] = {f: r.to_vector() for f, r in combined.items()}
-
-    def _gather(self, trainer: pl.Trainer, extra: list[float] | None = None) -> tuple[dict[str, LayerRecord], torch.Tensor]:
-        """Every rank's records combined (one all-gather of their flat vectors), and each rank's row of ``extra``."""
-        extra = extra or []
-        vectors = [record.to_vector() for record in self._records.values()]
-        rows = vectors + [extra + [0.0] * (len(vectors[0]) - len(extra))]
-        gathered = all_gather(trainer, torch.tensor(rows, dtype=torch.float64)).cpu()
-        return combine(self._records, gathered[:, :-1]), gathered[:, -1, :len(extra)]
+        local = torch.tensor([record.to_vector() for record in self._records.values()], dtype=torch.float64)
+        gathered = all_gather(trainer, local).cpu()
+        state["records"] = {f: r.to_vector() for f, r in combine(self._records, gathered).items()}
 
     @override
     def state_dict(self) -> dict[str, Any]:

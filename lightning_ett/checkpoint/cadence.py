@@ -22,8 +22,6 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_ett.instrument.cadence_facts import ASSUMED
-
 #: Before a job's age is known (no launcher, nothing measured yet), its MTBF is assumed to be this
 #: (pass ``mtbf_hours`` to set it).
 PRIOR_MTBF_HOURS = 24.0
@@ -77,10 +75,10 @@ def estimate_mtbf_s(failures: int, job_age_s: float) -> tuple[float, str]:
     one ever more rarely, and the first failure switches to the observed rate.
     """
     if job_age_s <= 0:
-        return 3600 * PRIOR_MTBF_HOURS, f"job age unknown: {ASSUMED}"
+        return 3600 * PRIOR_MTBF_HOURS, "job age unknown: assumed"
     if failures > 0:
         return job_age_s / failures, f"ledger: {failures} failure(s) in {job_age_s / 3600:.2f} h"
-    return job_age_s / RULE_OF_THREE, f"no failure in {job_age_s / 3600:.2f} h: {ASSUMED} age/3"
+    return job_age_s / RULE_OF_THREE, f"no failure in {job_age_s / 3600:.2f} h: assumed age/3"
 
 
 def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:

@@ -179,22 +179,13 @@ def read_ledger(run_dir: str | os.PathLike, ranks: set[int] | None = None) -> li
     return ledgers
 
 
-#: How the launcher's ``end`` reason begins when a signal to it (Ctrl-C, a scheduler's SIGTERM) stopped the job.
-STOPPED_BY = "stopped by "
-
-
-def is_stop(reason: Any) -> bool:
-    """Does a launcher's end ``reason`` say the job was stopped on request (not finished, not failed)?"""
-    return str(reason or "").startswith(STOPPED_BY)
-
-
 def stopped_attempts(launcher: list[dict[str, Any]]) -> dict[int, str]:
     """Attempts a signal to the launcher stopped (its ``end`` record says ``stopped by ...``), with that reason."""
     stopped, current = {}, None
     for r in launcher:  # by time
         if r.get("kind") == "attempt":
             current = int(r["attempt"])
-        elif r.get("kind") == "end" and is_stop(r.get("reason")) and current is not None:
+        elif r.get("kind") == "end" and str(r.get("reason", "")).startswith("stopped by ") and current is not None:
             stopped[current] = str(r["reason"])
     return stopped
 

@@ -16,7 +16,6 @@ from rich.table import Table
 
 from lightning_ett.durable.files import atomic_write_bytes
 from lightning_ett.instrument.cadence_facts import cadence_line
-from lightning_ett.instrument.ledger import is_stop
 from lightning_ett.instrument.straggler_facts import straggler_line
 from lightning_ett.instrument.summary import Summary
 from lightning_ett.instrument.timeline import (
@@ -62,7 +61,7 @@ def _visible_phases(summary: Summary) -> list[str]:
 
 def render_table(summary: Summary, title: str | None = None) -> Table:
     wall = summary.wall_s or 1.0
-    status = "finished" if summary.completed else "stopped" if is_stop(summary.outcome) else "running or failed"
+    status = "finished" if summary.completed else "stopped" if _stopped(summary) else "running or failed"
     table = Table(
         title=title or f"ETT {summary.ett_percent:.1f}% of {summary.wall_s:.1f}s wall",
         caption=f"{len(summary.attempts)} attempt(s), {status}; effective = train; "
@@ -78,6 +77,11 @@ def render_table(summary: Summary, title: str | None = None) -> Table:
         style = "bold green" if phase == Phase.TRAIN.value else ("red" if phase == LOST else "")
         table.add_row(phase, f"{seconds:.2f}", f"{100 * seconds / wall:.1f}", bar, style=style)
     return table
+
+
+def _stopped(summary: Summary) -> bool:
+    """Did a signal to the launcher (Ctrl-C, a scheduler's SIGTERM) stop the job? Its last word says so."""
+    return bool(summary.outcome and summary.outcome.startswith("stopped by "))
 
 
 def render_attempts(summary: Summary) -> Table:

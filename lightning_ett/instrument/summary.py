@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_ett.durable.files import atomic_write_bytes
-from lightning_ett.instrument.ledger import RankLedger, is_stop, read_launcher_records, read_ledger, stopped_attempts
+from lightning_ett.durable.files import atomic_write_json
+from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger, stopped_attempts
 from lightning_ett.instrument.step_health import step_health_summary
 from lightning_ett.instrument.straggler_facts import straggler_digest
 from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, STRAGGLER_FACT, Phase
@@ -121,13 +120,9 @@ class Summary:
             "step_health": self.step_health,
         }
 
-    def json_text(self) -> str:
-        """``ett_summary.json``'s text: what :meth:`write_json` writes, and what an unchanged file already holds."""
-        return json.dumps(self.to_dict(), indent=2) + "\n"
-
     def write_json(self, run_dir: str | os.PathLike) -> Path:
         """Write ``ett_summary.json`` atomically, so readers never see half."""
-        return atomic_write_bytes(Path(run_dir) / SUMMARY_FILE, self.json_text().encode())
+        return atomic_write_json(Path(run_dir) / SUMMARY_FILE, self.to_dict(), indent=2)
 
 
 def _train_steps(ledger: RankLedger) -> list[int]:
@@ -269,7 +264,7 @@ def summarize(
     last_launch = max((r.get("time", 0.0) for r in launcher if r.get("kind") == "launch"), default=0.0)
     # A stop asked of one node's launcher ends the job on every node; another node, whose workers Lightning let exit 0
     # on the SIGTERM that came through the process group, says "finished": the stop is the job's outcome.
-    stops = [r for r in ends_said if r.get("time", 0.0) >= last_launch and is_stop(r.get("reason"))]
+    stops = [r for r in ends_said if r.get("time", 0.0) >= last_launch and str(r.get("reason", "")).startswith("stopped by")]
     outcome = (stops or ends_said)[-1].get("reason") if ends_said else None
     facts = sorted((f for lg in ledgers for f in lg.facts), key=lambda f: f.get("time", 0.0))
     first_rank = [lg for lg in ledgers if lg.rank == min(by_rank)]  # rank 0's steps, as the live figures

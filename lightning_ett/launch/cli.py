@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 
@@ -39,7 +40,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"lightning-ett report: {err}", file=sys.stderr)
         return 2
     console = Console()
-    if _unchanged(run_dir / SUMMARY_FILE, summary.json_text()) and (run_dir / REPORT_PNG).is_file():
+    if _unchanged(run_dir / SUMMARY_FILE, summary.to_dict()) and (run_dir / REPORT_PNG).is_file():
         print_report(summary, console)  # (a finished job has one answer: read back, its files left as they are)
     else:
         write_report(summary, run_dir, console)
@@ -47,10 +48,10 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _unchanged(path: Path, text: str) -> bool:
-    """Does ``path`` already hold ``text`` (``Summary.json_text``), byte for byte?"""
+def _unchanged(path: Path, summary: dict[str, Any]) -> bool:
+    """Does ``path`` already hold ``summary``, byte for byte as :meth:`Summary.write_json` writes it?"""
     try:
-        return path.read_text() == text
+        return path.read_text() == json.dumps(summary, indent=2) + "\n"
     except (OSError, ValueError):
         return False
 

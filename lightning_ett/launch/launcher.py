@@ -64,7 +64,6 @@ from lightning_ett.instrument.environment import (
     write_job_file,
 )
 from lightning_ett.instrument.ledger import (
-    STOPPED_BY,
     LedgerWriter,
     launcher_ledger_path,
     read_launcher_records,
@@ -536,13 +535,13 @@ def stop_reason(run_dir: Path, sig: signal.Signals, attempt: int) -> str:
     try:
         ledgers = read_ledger(run_dir)
     except (OSError, ValueError):
-        return f"{STOPPED_BY}{who}"
+        return f"stopped by {who}"
     steps = [e["step"] for lg in ledgers if lg.attempt == attempt for e in lg.events
              if e["phase"] == Phase.TRAIN.value and e.get("step") is not None]
     saved = [f["step"] for lg in ledgers for f in lg.facts if f.get("name") == CHECKPOINT_FACT and "step" in f]
     where = f" at step {max(steps) + 1}" if steps else " before training"
     checkpoint = f", checkpoint at step {max(saved)}" if saved else ", no AsyncCheckpoint checkpoint recorded"
-    return f"{STOPPED_BY}{who}{where}{checkpoint}"
+    return f"stopped by {who}{where}{checkpoint}"
 
 
 def _root_cause(err: Any) -> str:

@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from lightning_ett.instrument.ledger import ledger_path
-from lightning_ett.instrument.summary import summarize_run_dir
+from lightning_ett.instrument.ledger import ledger_path, read_launcher_records, read_ledger
+from lightning_ett.instrument.summary import summarize
 from lightning_ett.watch.progress import LedgerTail, RankProgress
 
 DEFAULT_EVERY_S = 30.0
@@ -73,7 +73,7 @@ class ProgressLine:
     def _summarize(self, now: float) -> None:
         began = time.perf_counter()
         try:
-            self._ett = summarize_run_dir(self.run_dir, now=now).ett_percent
+            self._ett = summarize(read_ledger(self.run_dir), now=now, launcher=read_launcher_records(self.run_dir)).ett_percent
         except Exception:  # noqa: BLE001 - a figure of the progress line: never the job's problem
             self._ett = None
         cost = time.perf_counter() - began
