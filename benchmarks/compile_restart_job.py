@@ -4,11 +4,15 @@
 ``--model mlp``: a user's own LightningModule: an MLP whose ``self.net = torch.compile(...)``,
 trained on batches of several sizes with DynamicShapes() and CompileCache(cache_dir=...).
 
-Each attempt (``LIGHTNING_ETT_ATTEMPT``) first points ``TORCHINDUCTOR_CACHE_DIR`` at a new,
-empty directory under ``--default-inductor-root``, before anything compiles: what a restart
-on another host has; only ``--cache-dir`` (shared storage) carries over. ETTMonitor records
-each step in the job's ledger and SIGKILLs the worker where ``LIGHTNING_ETT_FAULT_KILL`` says.
-At the end of its first step the attempt writes its compile counters to
+``--host fresh``: each attempt (``LIGHTNING_ETT_ATTEMPT``) first points ``TORCHINDUCTOR_CACHE_DIR``
+at a new, empty directory under ``--default-inductor-root``, before anything compiles: what a
+restart on another host has (compile_restart.py also gives it a new launcher and an empty
+``TMPDIR``, where inductor keeps its precompiled header); only ``--cache-dir`` (shared storage)
+carries over. ``--host same``: every attempt uses one default inductor directory, as restarts on
+one host do. ``--no-cache``: the control, without CompileCache (DLRM: ``module.compile()`` as
+CompileCache(compile_module=True) would call it). ETTMonitor records each step in the job's
+ledger and SIGKILLs the worker where ``LIGHTNING_ETT_FAULT_KILL`` says. At the end of its first
+step the attempt writes its compile counters and the time ``fit`` was called to
 ``OUT/attempt-N.json``.
 """
 
@@ -68,19 +72,23 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--width", type=int, default=256, help="MLP width")
+    p.add_argument("--host", choices=("same", "fresh"), default="fresh", help="a restart on this host or another one")
+    p.add_argument("--no-cache", action="store_true", help="the control: no CompileCache")
     args = p.parse_args()
     attempt = int(os.environ.get("LIGHTNING_ETT_ATTEMPT", "0"))
-    fresh = Path(args.default_inductor_root) / f"attempt-{attempt}"
-    fresh.mkdir(parents=True, exist_ok=False)  # must be new: another host's empty default directory
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh)  # inductor reads it at every lookup (torch may be preloaded)
+    inductor = Path(args.default_inductor_root) / (f"attempt-{attempt}" if args.host == "fresh" else "this-host")
+    inductor.mkdir(parents=True, exist_ok=args.host == "same")  # fresh: must be new, another host's empty directory
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)  # inductor reads it at every lookup (torch may be preloaded)
 
     from lightning.pytorch import Callback, Trainer
 
     from lightning_ett import CompileCache, DynamicShapes, ETTMonitor
+    from lightning_ett.compile.cache import compile_metrics
     from lightning_ett.instrument.compile_events import compile_tracker
 
-    cache = CompileCache(args.cache_dir, compile_module=args.model == "dlrm")
+    cache = None if args.no_cache else CompileCache(args.cache_dir, compile_module=args.model == "dlrm")
     out = Path(args.out)
+    fit_start = 0.0
 
     class FirstStepFacts(Callback):
         written = False
@@ -89,24 +97,27 @@ def main() -> None:
             if not self.written:
                 self.written = True
                 tracker = compile_tracker()
-                facts = {"attempt": attempt, "first_step_end": time.time(), "compile_s": tracker.seconds,
-                         "graphs": tracker.compiles, "recompiles": tracker.recompiles, **cache.metrics(),
-                         "loaded": cache.loaded}
+                facts = {"attempt": attempt, "fit_start": fit_start, "first_step_end": time.time(),
+                         "compile_s": tracker.seconds, "graphs": tracker.compiles, "recompiles": tracker.recompiles,
+                         **compile_metrics(), "loaded": cache is not None and cache.loaded}
                 (out / f"attempt-{attempt}.json").write_text(json.dumps(facts))
 
     # ETTMonitor first: its ledger's end of step 1 is the step, not the bundle save after it (the kill
     # comes later, at LIGHTNING_ETT_FAULT_KILL's step >= 2, after the cache saved its bundle at step 1).
-    callbacks = [ETTMonitor(report_on_end=False), cache, FirstStepFacts()]
+    callbacks = [ETTMonitor(report_on_end=False), *([cache] if cache else []), FirstStepFacts()]
     if args.model == "dlrm":
         from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 
         model, data = DLRMModule(), RandomCriteoDataModule(batch_size=512)
+        if cache is None:
+            model.compile()  # what CompileCache(compile_module=True) does in setup
     else:
         model, data = mlp_job(args.width)
         callbacks.insert(1, DynamicShapes())
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=args.max_steps, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                       callbacks=callbacks)
+    fit_start = time.time()
     trainer.fit(model, data)
 
 

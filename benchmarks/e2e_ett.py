@@ -1,54 +1,57 @@
-"""End-to-end ETT% of a reference job: the pack vs vanilla Lightning, one injected SIGKILL each.
+"""End-to-end ETT% on identical training: the pack vs the same training without it, and vanilla Lightning.
 
-    .venv/bin/python benchmarks/e2e_ett.py [--job dlrm|user|both] [--steps N --every K --kill-at S] [--rounds R]
+    .venv/bin/python benchmarks/e2e_ett.py [--job user|dlrm|long] [--rounds R] [--steps N --every K --kill-at S]
 
-Two reference jobs, each run to its last step across one failure: rank 1 is SIGKILLed after
-step ``--kill-at`` of the first attempt (``LIGHTNING_ETT_FAULT_KILL=1:S:0``) and the job is
-restarted once.
+Each job runs to its last step across injected failures (rank 1 SIGKILLed after a chosen step,
+``LIGHTNING_ETT_FAULT_KILL``, before that step's checkpoint callbacks run) and is restarted.
+Arms (#31):
 
-``--job dlrm`` (benchmarks/e2e_job.py; defaults ``--steps 600 --every 100 --kill-at 350 --rounds 1``):
-the example TorchRec DLRM (26 tables x 20,000 x 16) on 2 CPU ranks (gloo), batch 512, the dense
-parts compiled with torch.compile. Both arms keep inductor's default cache directory on the same
-host across the job's attempts (the pack's CompileCache directory too).
+* **vanilla**: stock Lightning, ``strategy="ddp"`` (the tables as dense DDP parameters, the
+  job's own optimizer for everything), a synchronous ``ModelCheckpoint`` writing one file per
+  save (``save_top_k=1, save_last="link"``), ``fit(ckpt_path="last")``; started by ``torchrun
+  --standalone`` and started again by this script at once when it failed (a zero restart gap,
+  which flatters it).
+* **same-training**: what the pack trains, without its ETT machinery: the same ``ETTStrategy``
+  (sharded tables, fused row-wise Adagrad), under ``torchrun`` and this script's restart like
+  vanilla, the same synchronous ``ModelCheckpoint`` (one sharded DCP write per save), no other
+  pack callback. **Headline: pack overhead / same-training overhead** (goal <= 0.33).
+* **pack**: ``lightning run`` + ``ETTStrategy`` + ``ETTMonitor`` + ``AsyncCheckpoint`` (keeping
+  one checkpoint, the baselines' retention) (+ ``CompileCache`` and ``DynamicShapes``, DLRM).
+* **same-training A/A**: the same-training arm again, in the same round: its ratio to
+  same-training is the noise floor; a difference inside it is reported as none.
 
-* **vanilla**: stock Lightning (DDP, synchronous ``ModelCheckpoint(save_top_k=1, save_last="link")``:
-  one write per save), started by ``torchrun --standalone`` and started again at once by this
-  script when it failed, resuming from ``last.ckpt``.
-* **pack, first job**: ``lightning run --max-restarts 1`` + ETTStrategy + ETTMonitor +
-  AsyncCheckpoint + CompileCache + DynamicShapes, with an empty compile cache.
-* **pack, recurring job**: the same, with the compile cache a previous job of this model left
-  (what a retraining pipeline has from its second run on).
+vanilla / same-training is the strategy's training-speed gain (ETTStrategy vs DDP), not ETT.
 
-``--job user`` (benchmarks/e2e_user_job.py; defaults ``--steps 300 --every 15 --kill-at 180 --rounds 3``):
-what a new user writes: three 100,000 x 32 tables, an MLP, ``Adam(self.parameters())``,
-batch 256, no compile, an offline WandbLogger in both arms; one default inductor directory per
-job, shared by its attempts (same host), in both arms.
+Jobs:
 
-* **vanilla**: ``strategy="ddp"``, a synchronous ``ModelCheckpoint`` writing one file per save
-  (``save_top_k=1``, ``save_last="link"``), ``fit(ckpt_path="last")``; started by
-  ``torchrun --standalone --nproc-per-node 2`` and, once torchrun exits non-zero, started again
-  by this script at once (the operator's restart, with a zero gap that flatters vanilla).
-* **pack**: ``lightning run --devices 2 --max-restarts 1`` + ``ETTStrategy()`` (defaults) +
-  ``ETTMonitor`` + ``AsyncCheckpoint(every_n_train_steps=K)``.
+* ``--job user`` (e2e_user_job.py; 300 steps, a checkpoint every 15, rank 1 killed after step 180,
+  3 rounds): three 100,000 x 32 tables, an MLP, ``Adam(self.parameters())``, batch 256, no
+  compile, an offline WandbLogger in every arm. Each job has its own default inductor directory.
+* ``--job dlrm`` (e2e_job.py; 600 steps, every 100, kill after 350, 3 rounds): the example DLRM
+  (26 tables x 20,000 x 16, batch 512, dense parts compiled). Each arm runs a **first job** and
+  then a **recurring job** of the same model on the same host: the recurring job keeps the
+  inductor directory (and, pack, the CompileCache directory) its first job left.
+* ``--job long`` (the user job, ~10 minutes of the pack's training, 1 round): a calibration run
+  of same-training measures the step time and a synchronous save's cost ``C``; the job gets
+  ``--minutes`` of steps and a failure every ``--failure-every-s`` seconds of training (rank 1
+  killed at the same steps in every arm). same-training (and vanilla, ``--with-vanilla``: ~6x
+  slower steps, so ~6x the wall time) save every ``sqrt(2 C MTBF)`` seconds (Young/Daly from
+  the calibration, MTBF = the failure interval); the pack uses ``every_n_train_steps="auto"``
+  with the same MTBF. Goal: pack ETT >= 90 %.
 
-Within a job, the arms get the same environment (W&B offline, the inductor policy above; user
-job: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``lightning run`` sets anyway) and alternate
-their order from round to round. Two clocks:
-
-* **ledger**: the ETTMonitor ledger (vanilla: ``ETTMonitor(run_dir=...)`` only measures; its job
-  clock starts at this script's first launch and ends when its last process exited, as the pack
-  launcher's does);
-* **probe**: this script's own clock from just before the first process is started to the
-  last one's exit, the same for both arms; effective time (``train``) comes from the ledger.
-
-Prints per arm the phase breakdown, wall, effective, overhead (= wall - effective), ETT% and
-overhead / vanilla overhead: medians over rounds with the spread (min-max).
+Two clocks: **ledger** (each arm's ETTMonitor ledger; the torchrun arms' clock starts at this
+script's first launch and ends when their last process exited, as the pack launcher's does)
+and **probe** (this script's ``time.time()`` from just before the first process starts to the
+last one's exit). Effective = the ledger's ``train`` in both; overhead = wall - effective.
+Units of arms rotate their order from round to round; medians (min-max) over rounds, then
+every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import subprocess
 import sys
@@ -60,17 +63,20 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.reference_job import BIN, JOB, env, run_pack
+from benchmarks.reference_job import BIN, JOB, env
 from benchmarks.spread import median_range
+from lightning_ett.checkpoint.cadence import young_daly_interval_s
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path
 from lightning_ett.instrument.summary import Summary, summarize_run_dir
 
 USER_JOB = str(HERE / "e2e_user_job.py")
 DEFAULTS = {  # per job: --steps, --every, --kill-at, --rounds
-    "dlrm": {"steps": 600, "every": 100, "kill_at": 350, "rounds": 1},
+    "dlrm": {"steps": 600, "every": 100, "kill_at": 350, "rounds": 3},
     "user": {"steps": 300, "every": 15, "kill_at": 180, "rounds": 3},
 }
-GOAL = 0.25  # pack overhead / vanilla overhead
+GOAL = 0.33  # pack overhead / same-training overhead
+LONG_GOAL = 90.0  # pack ETT% on the long job
+BASE, AA = "same-training", "same-training A/A"
 
 
 @dataclass
@@ -79,12 +85,37 @@ class Result:
     probe_wall_s: float  # this script's clock: first process started -> last process exited
 
     @property
+    def overhead_s(self) -> float:
+        return self.summary.wall_s - self.summary.effective_s
+
+    @property
     def probe_overhead_s(self) -> float:
         return self.probe_wall_s - self.summary.effective_s
 
     @property
     def probe_ett_percent(self) -> float:
         return 100.0 * self.summary.effective_s / self.probe_wall_s
+
+    @property
+    def lost_steps(self) -> int:
+        """Steps run again after a failure: an attempt's last step back to where the next one resumed."""
+        attempts = self.summary.attempts
+        return sum(max(0, a.last_step - b.first_step + 1) for a, b in itertools.pairwise(attempts)
+                   if a.last_step is not None and b.first_step is not None)
+
+
+@dataclass(frozen=True)
+class Job:
+    """How to start one job of one arm: the script, its arguments, and the injected failures."""
+
+    script: str
+    args: list[str]
+    kill: str  # LIGHTNING_ETT_FAULT_KILL
+    failures: int  # how many the kill spec causes: the job must restart that often
+
+    def environ(self, inductor: Path, **extra: str) -> dict[str, str]:
+        """Every arm: W&B offline, the given default inductor directory, the same rendezvous setting."""
+        return env(inductor, LIGHTNING_ETT_FAULT_KILL=self.kill, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **extra)
 
 
 def write_end(run_dir: Path) -> None:
@@ -97,96 +128,114 @@ def write_end(run_dir: Path) -> None:
 def launch(cmd: list[str], environ: dict[str, str], log: Path) -> int:
     """Start a launcher, output to ``log``; its exit code."""
     with open(log, "w") as out:
-        return subprocess.run(cmd, env=environ, stdout=out, stderr=subprocess.STDOUT, timeout=3600, check=False).returncode
+        return subprocess.run(cmd, env=environ, stdout=out, stderr=subprocess.STDOUT, timeout=7200, check=False).returncode
 
 
 def failed(what: str, log: Path, rc: int) -> RuntimeError:
     return RuntimeError(f"{what} exited {rc}; the end of {log}:\n{log.read_text()[-4000:]}")
 
 
-# ---------------------------------------------------------------------------- the DLRM job
-def dlrm_vanilla(work: Path, job: list[str], kill: str) -> Result:
-    """torchrun, then the same command once it failed (resuming from ``last.ckpt``): the operator's restart."""
-    return vanilla_torchrun(work, JOB, [*job, "--resume"], kill, expect_failure=True)
-
-
-def dlrm_pack(work: Path, job: list[str], kill: str, compile_cache: Path) -> Result:
-    started = time.time()
-    run_dir = run_pack(work, job, compile_cache, max_restarts=1, LIGHTNING_ETT_FAULT_KILL=kill)
-    return Result(summarize_run_dir(run_dir), time.time() - started)
-
-
-def dlrm_round(tmp: Path, r: int, job: list[str], kill: str) -> dict[str, Result]:
-    out: dict[str, Result] = {}
-    cache = tmp / f"compile_cache{r}"
-
-    def packs() -> None:
-        out["pack, first job"] = dlrm_pack(tmp / f"p{r}", job, kill, cache)
-        # The cache the job above left is what the next job of this model starts with.
-        out["pack, recurring job"] = dlrm_pack(tmp / f"q{r}", job, kill, cache)
-
-    if r % 2 == 0:
-        out["vanilla"] = dlrm_vanilla(tmp / f"v{r}", job, kill)
-        packs()
-    else:
-        packs()
-        out["vanilla"] = dlrm_vanilla(tmp / f"v{r}", job, kill)
-    return out
-
-
-# ---------------------------------------------------------------------------- the user job
-def job_env(work: Path, kill: str, **extra: str) -> dict[str, str]:
-    """Both arms: one default inductor directory for the job's attempts (same host)."""
-    return env(work / "inductor", LIGHTNING_ETT_FAULT_KILL=kill, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **extra)
-
-
-def user_vanilla(work: Path, job: list[str], kill: str, expect_failure: bool) -> Result:
-    return vanilla_torchrun(work, USER_JOB, job, kill, expect_failure)
-
-
-def vanilla_torchrun(work: Path, script: str, job: list[str], kill: str, expect_failure: bool) -> Result:
-    """``torchrun``, then the same command again once it failed: the operator's restart (at once)."""
+def run_torchrun(work: Path, job: Job, arm: str, inductor: Path) -> Result:
+    """``torchrun``, started again at once after each failure until the job ends: the operator's restart."""
     work.mkdir(parents=True)
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", script, "--arm", "vanilla", "--work",
-           str(work), *job]
+    extra = ["--resume"] if job.script == JOB else []  # the DLRM job resumes only when asked
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", job.script, "--arm", arm, "--work",
+           str(work), *job.args, *extra]
     started = time.time()
-    environ = job_env(work, kill, LIGHTNING_ETT_JOB_START=repr(started))
-    rc = launch(cmd, environ, work / "attempt0.log")
-    if expect_failure != (rc != 0):
-        raise failed("vanilla attempt 0 (a SIGKILL was expected)" if expect_failure else "vanilla", work / "attempt0.log", rc)
-    if rc != 0:
-        rc = launch(cmd, environ, work / "attempt1.log")
-        if rc != 0:
-            raise failed("vanilla attempt 1", work / "attempt1.log", rc)
+    environ = job.environ(inductor, LIGHTNING_ETT_JOB_START=repr(started))
+    for attempt in range(job.failures + 1):
+        log = work / f"attempt{attempt}.log"
+        rc = launch(cmd, environ, log)
+        if (rc != 0) != (attempt < job.failures):
+            raise failed(f"{arm} attempt {attempt} ({job.failures} SIGKILL(s) were injected)", log, rc)
     probe = time.time() - started
     write_end(work / "run")
     return Result(summarize_run_dir(work / "run"), probe)
 
 
-def user_pack(work: Path, job: list[str], kill: str, expect_failure: bool) -> Result:
+def run_lightning(work: Path, job: Job, inductor: Path, compile_cache: Path | None = None) -> Result:
+    """``lightning run --max-restarts F`` of the pack arm."""
     work.mkdir(parents=True)
-    cmd = [str(BIN / "lightning"), "run", "--devices", "2", "--max-restarts", "1", "--run-dir", str(work / "run"),
-           USER_JOB, "--arm", "pack", "--work", str(work), *job]
-    environ = job_env(work, kill)
+    extra = ["--compile-cache", str(compile_cache)] if compile_cache is not None else []
+    cmd = [str(BIN / "lightning"), "run", "--devices", "2", "--max-restarts", str(job.failures), "--run-dir",
+           str(work / "run"), job.script, "--arm", "pack", "--work", str(work), *job.args, *extra]
     started = time.time()
-    rc = launch(cmd, environ, work / "launcher.log")
+    rc = launch(cmd, job.environ(inductor), work / "launcher.log")
     probe = time.time() - started
     if rc != 0:
         raise failed("pack (lightning run)", work / "launcher.log", rc)
     summary = summarize_run_dir(work / "run")
-    if expect_failure and len(summary.attempts) < 2:
-        raise failed("pack (lightning run) without the expected restart", work / "launcher.log", rc)
+    if len(summary.attempts) != job.failures + 1:
+        raise failed(f"pack (lightning run) with {len(summary.attempts)} attempt(s), not {job.failures + 1}",
+                     work / "launcher.log", rc)
     return Result(summary, probe)
 
 
-def user_round(tmp: Path, r: int, job: list[str], kill: str, expect_failure: bool) -> dict[str, Result]:
-    arms: dict[str, Callable[[], Result]] = {
-        "vanilla": lambda: user_vanilla(tmp / f"v{r}", job, kill, expect_failure),
-        "pack": lambda: user_pack(tmp / f"p{r}", job, kill, expect_failure),
-    }
-    order = list(arms) if r % 2 == 0 else list(reversed(arms))
-    out = {name: arms[name]() for name in order}
-    return {name: out[name] for name in arms}  # columns in a fixed order
+# ---------------------------------------------------------------------------- arms, in units that run together
+Unit = list[tuple[str, Callable[[Path], Result]]]  # (arm name, run in a work dir); a unit's jobs share its host state
+
+
+def torchrun_unit(name: str, arm: str, job: Job, recurring: bool) -> Unit:
+    """One job of ``arm`` (and, ``recurring``, a second job on the first one's inductor directory)."""
+    if not recurring:
+        return [(name, lambda d: run_torchrun(d / "job", job, arm, d / "inductor"))]
+    return [(f"{name}, first job", lambda d: run_torchrun(d / "first", job, arm, d / "inductor")),
+            (f"{name}, recurring job", lambda d: run_torchrun(d / "recurring", job, arm, d / "inductor"))]
+
+
+def pack_unit(job: Job, recurring: bool) -> Unit:
+    if not recurring:
+        return [("pack", lambda d: run_lightning(d / "job", job, d / "inductor"))]
+    return [("pack, first job", lambda d: run_lightning(d / "first", job, d / "inductor", d / "compile_cache")),
+            ("pack, recurring job", lambda d: run_lightning(d / "recurring", job, d / "inductor", d / "compile_cache"))]
+
+
+def three_arms(job: Job, recurring: bool, with_vanilla: bool = True) -> list[Unit]:
+    units = [torchrun_unit(BASE, "same", job, recurring), pack_unit(job, recurring),
+             torchrun_unit(AA, "same", job, recurring)]
+    return ([torchrun_unit("vanilla", "vanilla", job, recurring)] if with_vanilla else []) + units
+
+
+def run_rounds(tmp: Path, units: list[Unit], rounds: int) -> dict[str, list[Result]]:
+    """Every unit once a round, the order rotated by one each round; results by arm in the units' order."""
+    arms: dict[str, list[Result]] = {name: [] for unit in units for name, _ in unit}
+    for r in range(rounds):
+        t = time.time()
+        order = units[r % len(units):] + units[:r % len(units)]
+        done = []
+        for u, unit in enumerate(order):
+            for name, run in unit:
+                result = run(tmp / f"r{r}" / f"u{units.index(unit)}")
+                arms[name].append(result)
+                done.append(f"{name} {result.overhead_s:.1f}s")
+        print(f"round {r} ({' -> '.join(unit[0][0] for unit in order)}): overhead (ledger) " + ", ".join(done)
+              + f" [{time.time() - t:.0f}s]", flush=True)
+    return arms
+
+
+# ---------------------------------------------------------------------------- the long job
+def calibrate(tmp: Path, every: int = 50, steps: int = 400) -> tuple[float, float]:
+    """Same-training without failures: (seconds per step, blocking seconds per synchronous save)."""
+    job = Job(USER_JOB, ["--steps", str(steps), "--every", str(every)], "", 0)
+    s = run_torchrun(tmp / "calibrate", job, "same", tmp / "calibrate_inductor").summary
+    return s.effective_s / steps, s.phases.get("checkpoint_save", 0.0) / (steps // every)
+
+
+def long_units(tmp: Path, minutes: float, failure_every_s: float, with_vanilla: bool) -> list[Unit]:
+    step_s, save_s = calibrate(tmp)
+    steps = round(minutes * 60 / step_s)
+    kills = [round(i * failure_every_s / step_s) for i in range(1, 1 + int(minutes * 60 // failure_every_s))]
+    kills = [k for k in kills if k < steps]
+    every = max(1, round(young_daly_interval_s(save_s, failure_every_s) / step_s))
+    print(f"calibration (same-training, 400 steps): step {step_s * 1e3:.1f} ms, synchronous save {save_s:.3f} s -> "
+          f"{steps} steps, rank 1 killed after steps {kills}; fixed arms save every {every} steps (Young/Daly, MTBF "
+          f"{failure_every_s:g} s); pack: 'auto' with the same MTBF", flush=True)
+    spec = ",".join(f"1:{k}:{i}" for i, k in enumerate(kills))
+    fixed = Job(USER_JOB, ["--steps", str(steps), "--every", str(every)], spec, len(kills))
+    auto = Job(USER_JOB, ["--steps", str(steps), "--every", "auto", "--mtbf-hours", repr(failure_every_s / 3600)], spec,
+               len(kills))
+    units = [torchrun_unit(BASE, "same", fixed, False), pack_unit(auto, False)]
+    return ([torchrun_unit("vanilla", "vanilla", fixed, False)] if with_vanilla else []) + units
 
 
 # ---------------------------------------------------------------------------- printing
@@ -194,7 +243,7 @@ def print_table(arms: dict[str, list[Result]], rounds: int) -> None:
     from lightning_ett.instrument.timeline import PHASE_NAMES
 
     names = list(arms)
-    width = max(22, *(len(n) + 2 for n in names), 14 + (18 if rounds > 1 else 0))
+    width = max(16, *(len(n) + 2 for n in names), 14 + (18 if rounds > 1 else 0))
 
     def row(label: str, fn: Callable[[Result], float], fmt: str = ".2f") -> None:
         print(f"{label:<34}" + "".join(f"{median_range([fn(x) for x in arms[n]], fmt):>{width}}" for n in names))
@@ -204,65 +253,95 @@ def print_table(arms: dict[str, list[Result]], rounds: int) -> None:
         if max(x.summary.phases.get(phase, 0.0) for n in names for x in arms[n]) >= 0.005:
             row(phase, lambda x, p=phase: x.summary.phases.get(p, 0.0))
     print("-" * (34 + width * len(names)))
+    row("lost steps (re-run)", lambda x: x.lost_steps, ".0f")
     row("effective (train)", lambda x: x.summary.effective_s)
     row("wall, ledger", lambda x: x.summary.wall_s)
     row("wall, probe", lambda x: x.probe_wall_s)
-    row("overhead, ledger (wall - train)", lambda x: x.summary.wall_s - x.summary.effective_s)
+    row("overhead, ledger (wall - train)", lambda x: x.overhead_s)
     row("overhead, probe", lambda x: x.probe_overhead_s)
     row("ETT %, ledger", lambda x: x.summary.ett_percent, ".1f")
     row("ETT %, probe", lambda x: x.probe_ett_percent, ".1f")
     row("attempts", lambda x: len(x.summary.attempts), ".0f")
-    base = arms["vanilla"]
-    for clock, over in (("ledger", lambda x: x.summary.wall_s - x.summary.effective_s),
-                        ("probe", lambda x: x.probe_overhead_s)):
-        # per round (arms of one round ran back to back), then the median over rounds
-        ratios = {n: [over(x) / over(v) for x, v in zip(arms[n], base)] for n in names}
-        print(f"{'overhead / vanilla, ' + clock:<34}" + "".join(f"{median_range(ratios[n], '.3f'):>{width}}" for n in names))
-    spread = " (min-max)" if rounds > 1 else ""
-    print(f"(medians of {rounds} round(s){spread}; arms alternate their order from round to round; "
-          f"effective = the ledger's `train` in both clocks)")
-    for n in names[1:]:
-        for clock, over in (("ledger", lambda x: x.summary.wall_s - x.summary.effective_s),
-                            ("probe", lambda x: x.probe_overhead_s)):
-            ratio = statistics.median([over(x) / over(v) for x, v in zip(arms[n], base)])
-            verdict = "met" if ratio <= GOAL else "NOT met"
-            print(f"goal: {n} overhead <= {GOAL} x vanilla ({clock} clock): {ratio:.3f} -> {verdict}")
+    print(f"(medians of {rounds} round(s){' (min-max)' if rounds > 1 else ''}; effective = the ledger's `train` in both "
+          "clocks)")
+
+
+def ratios(arms: dict[str, list[Result]], name: str, base: str, clock: str) -> list[float]:
+    """Per round (the arms of a round ran back to back): ``name``'s overhead over ``base``'s."""
+    over: Callable[[Result], float] = (lambda x: x.overhead_s) if clock == "ledger" else (lambda x: x.probe_overhead_s)
+    return [over(x) / over(b) for x, b in zip(arms[name], arms[base])]
+
+
+def print_ratios(arms: dict[str, list[Result]], suffix: str = "") -> None:
+    """The headline (pack / same-training) against the A/A floor, and vanilla / same-training apart from it."""
+    base, aa, pack = BASE + suffix, AA + suffix, "pack" + suffix
+    for clock in ("ledger", "probe"):
+        floor = ratios(arms, aa, base, clock) if aa in arms else []
+        for name in (pack, aa, "vanilla" + suffix):
+            if name in arms:
+                print(f"overhead {name} / {base} ({clock}): {median_range(ratios(arms, name, base, clock), '.3f')}")
+        headline = statistics.median(ratios(arms, pack, base, clock))
+        noise = max((abs(1 - f) for f in floor), default=0.0)
+        verdict = "met" if headline <= GOAL else "NOT met"
+        within = " (inside the A/A floor: no difference shown)" if abs(1 - headline) <= noise else ""
+        print(f"goal{suffix or ''}: pack overhead <= {GOAL} x same-training ({clock} clock): {headline:.3f} -> "
+              f"{verdict}{within}; A/A floor +-{noise:.3f}")
+    if "vanilla" + suffix in arms:
+        train = [v.summary.effective_s / s.summary.effective_s for v, s in zip(arms["vanilla" + suffix], arms[base])]
+        print(f"training speed, vanilla (DDP) train s / same-training train s: {median_range(train, '.2f')} "
+              "(the strategy's gain, not ETT)")
+
+
+def print_runs(arms: dict[str, list[Result]]) -> None:
+    for name, results in arms.items():
+        print(f"every run, {name}: " + "; ".join(
+            f"overhead {x.overhead_s:.2f}/{x.probe_overhead_s:.2f}s ETT {x.summary.ett_percent:.1f}% lost "
+            f"{x.lost_steps} steps" for x in results))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--job", choices=["dlrm", "user", "both"], default="dlrm")
+    p.add_argument("--job", choices=["user", "dlrm", "long"], default="user")
     p.add_argument("--steps", type=int, default=None, help="default: dlrm 600, user 300")
     p.add_argument("--every", type=int, default=None, help="checkpoint interval in steps; default: dlrm 100, user 15")
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step; default: dlrm 350, user 180")
-    p.add_argument("--rounds", type=int, default=None, help="default: dlrm 1, user 3")
-    p.add_argument("--keep", default=None, help="keep the runs (logs, ledgers) under DIR/JOB")
+    p.add_argument("--rounds", type=int, default=None, help="default: 3 (long: 1)")
+    p.add_argument("--minutes", type=float, default=10.0, help="long: minutes of the pack's training")
+    p.add_argument("--failure-every-s", type=float, default=150.0, help="long: seconds of training between failures")
+    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (~6x the wall time)")
+    p.add_argument("--keep", default=None, help="keep the runs (logs, ledgers) under DIR")
     args = p.parse_args()
 
-    for name in ["dlrm", "user"] if args.job == "both" else [args.job]:
-        cfg = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in DEFAULTS[name].items()}
-        job = ["--steps", str(cfg["steps"]), "--every", str(cfg["every"])]
-        kill = f"1:{cfg['kill_at']}:0"
-        print(f"== job {name}: {cfg['steps']} steps, a checkpoint every {cfg['every']}, rank 1 SIGKILLed after step "
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            tmp = Path(args.keep)
+            tmp.mkdir(parents=True)
+        else:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if args.job == "long":
+            rounds = args.rounds or 1
+            print(f"== job long: the user job, ~{args.minutes:g} min of training, a failure every "
+                  f"{args.failure_every_s:g} s, {rounds} round(s)", flush=True)
+            arms = run_rounds(tmp, long_units(tmp, args.minutes, args.failure_every_s, args.with_vanilla), rounds)
+            print_table(arms, rounds)
+            print_runs(arms)
+            for name, results in arms.items():
+                ett = statistics.median(x.summary.ett_percent for x in results)
+                goal = f" (goal >= {LONG_GOAL:g}: {'met' if ett >= LONG_GOAL else 'NOT met'})" if name == "pack" else ""
+                print(f"long job ETT %, {name}: {ett:.1f}{goal}")
+            print(f"overhead pack / {BASE} (ledger): {median_range(ratios(arms, 'pack', BASE, 'ledger'), '.3f')}")
+            return
+        cfg = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in DEFAULTS[args.job].items()}
+        job = Job(JOB if args.job == "dlrm" else USER_JOB, ["--steps", str(cfg["steps"]), "--every", str(cfg["every"])],
+                  f"1:{cfg['kill_at']}:0", int(cfg["kill_at"] < cfg["steps"]))
+        print(f"== job {args.job}: {cfg['steps']} steps, a checkpoint every {cfg['every']}, rank 1 SIGKILLed after step "
               f"{cfg['kill_at']} of attempt 0, {cfg['rounds']} round(s)", flush=True)
-        arms: dict[str, list[Result]] = {}
-        with contextlib.ExitStack() as stack:
-            if args.keep:
-                tmp = Path(args.keep) / name
-                tmp.mkdir(parents=True)
-            else:
-                tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            for r in range(cfg["rounds"]):
-                t = time.time()
-                if name == "dlrm":
-                    results = dlrm_round(tmp, r, job, kill)
-                else:
-                    results = user_round(tmp, r, job, kill, expect_failure=cfg["kill_at"] < cfg["steps"])
-                for arm, result in results.items():
-                    arms.setdefault(arm, []).append(result)
-                print(f"round {r}: " + ", ".join(f"{a} overhead {x.probe_overhead_s:.1f}s (probe)" for a, x in results.items())
-                      + f" [{time.time() - t:.0f}s]", flush=True)
+        recurring = args.job == "dlrm"
+        arms = run_rounds(tmp, three_arms(job, recurring), cfg["rounds"])
         print_table(arms, cfg["rounds"])
+        print_runs(arms)
+        for suffix in ([", first job", ", recurring job"] if recurring else [""]):
+            print_ratios(arms, suffix)
 
 
 if __name__ == "__main__":

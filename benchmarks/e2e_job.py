@@ -1,11 +1,15 @@
 """One attempt of the reference job for e2e_ett.py: the example DLRM on 2 CPU ranks, either arm.
 
 * ``--arm pack``: ETTStrategy (table-wise, fused row-wise Adagrad, plan cache), ETTMonitor,
-  AsyncCheckpoint every K steps (resumes by itself), CompileCache, DynamicShapes. Started by
+  AsyncCheckpoint every K steps keeping the last one, as the baselines' ``save_top_k=1`` (resumes
+  by itself), CompileCache, DynamicShapes. Started by
   ``lightning run``, which restarts it.
 * ``--arm vanilla``: stock Lightning: DDP, synchronous ``ModelCheckpoint`` every K steps
   (``save_top_k=1, save_last="link"``: one write per save), ``--resume`` restarts from
   ``last.ckpt`` if there is one; ETTMonitor only measures. Started by torchrun.
+* ``--arm same``: the pack's training without its ETT machinery: the pack's ETTStrategy, the
+  vanilla arm's synchronous ``ModelCheckpoint`` (one sharded DCP write per save) and ``--resume``,
+  no CompileCache or DynamicShapes; ETTMonitor only measures. Started by torchrun.
 
 Both compile the dense parts of the model (``DLRMModule(compile_dense=True)``).
 """
@@ -21,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--arm", choices=["pack", "vanilla"], required=True)
+    p.add_argument("--arm", choices=["pack", "same", "vanilla"], required=True)
     p.add_argument("--work", required=True, help="checkpoints, caches and the run dir live here")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--every", type=lambda v: v if v == "auto" else int(v), default=100,
@@ -42,11 +46,14 @@ def main() -> None:
     from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
     from lightning_ett import AsyncCheckpoint, CompileCache, DynamicShapes, ETTMonitor, ETTStrategy, ModelPublisher
 
+    def ett_strategy() -> ETTStrategy:
+        return ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad",
+                           fused_optimizer_kwargs={"lr": 0.05}, plan_cache_dir=str(work / "plan_cache"))
+
     if args.arm == "pack":
-        strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad",
-                               fused_optimizer_kwargs={"lr": 0.05}, plan_cache_dir=str(work / "plan_cache"))
+        strategy = ett_strategy()
         callbacks = [ETTMonitor(report_on_end=False),
-                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=2,
+                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=1,
                                      **({"mtbf_hours": args.mtbf_hours} if args.every == "auto" else {})),
                      CompileCache(args.compile_cache or work / "compile_cache"), DynamicShapes()]
         if args.publish:
@@ -56,7 +63,10 @@ def main() -> None:
 
         from lightning.pytorch.strategies import DDPStrategy
 
-        strategy = DDPStrategy(timeout=timedelta(seconds=args.pg_timeout_s)) if args.pg_timeout_s else "ddp"
+        if args.arm == "same":
+            strategy = ett_strategy()
+        else:
+            strategy = DDPStrategy(timeout=timedelta(seconds=args.pg_timeout_s)) if args.pg_timeout_s else "ddp"
         callbacks = [ETTMonitor(run_dir=work / "run", report_on_end=False),
                      ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=args.every, save_top_k=1,
                                      save_last="link")]  # one write per save

@@ -8,13 +8,18 @@ deterministic share), eager mode only (no graph capture), an offline ``WandbLogg
 
 * ``--arm pack``: ``ETTStrategy()`` with its defaults (tables sharded, fused row-wise Adagrad for
   them; Adam keeps the dense part), ``ETTMonitor(report_on_end=False)``,
-  ``AsyncCheckpoint(WORK/ckpt, every_n_train_steps=K)`` (resumes by itself). Started by
+  ``AsyncCheckpoint(WORK/ckpt, every_n_train_steps=K, keep_last_n=1)`` (the baselines' retention; resumes
+  by itself). Started by
   ``lightning run``, which restarts it.
 * ``--arm vanilla``: ``strategy="ddp"``, a synchronous ``ModelCheckpoint`` that writes one file per
   save (``save_top_k=1`` with no monitor keeps only the newest, ``save_last="link"`` points
   ``last.ckpt`` at it instead of writing it again), ``fit(ckpt_path="last")`` (a first launch
   starts from scratch, a relaunch resumes). Started by ``torchrun``; relaunched by hand.
   ``ETTMonitor(run_dir=WORK/run)`` only measures.
+* ``--arm same``: same training as the pack, none of its ETT machinery: ``ETTStrategy()`` (its
+  defaults, as the pack) under ``torchrun``, the vanilla arm's synchronous ``ModelCheckpoint``
+  (one sharded DCP write per save), ``fit(ckpt_path="last")``, ``ETTMonitor(run_dir=...)`` only
+  measures. The pack's overhead divided by this arm's is what the pack's ETT machinery removes.
 """
 
 from __future__ import annotations
@@ -90,19 +95,23 @@ def random_dataset(num_samples: int, seed: int = 0) -> TensorDataset:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--arm", choices=["pack", "vanilla"], required=True)
+    p.add_argument("--arm", choices=["pack", "same", "vanilla"], required=True)
     p.add_argument("--work", required=True, help="checkpoints, W&B files and the vanilla run dir live here")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--every", type=int, default=15, help="checkpoint interval in steps")
+    p.add_argument("--every", type=lambda v: v if v == "auto" else int(v), default=15,
+                   help="checkpoint interval in steps; pack: or 'auto' (Young/Daly)")
+    p.add_argument("--mtbf-hours", type=float, default=None, help="pack, --every auto: the MTBF (default: from the ledger)")
     p.add_argument("--batches-per-epoch", type=int, default=100, help="per rank; the data set holds this many")
     args = p.parse_args()
     work = Path(args.work)
 
     if args.arm == "pack":
         strategy = ETTStrategy()
-        callbacks = [ETTMonitor(report_on_end=False), AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every)]
+        auto = {"mtbf_hours": args.mtbf_hours} if args.every == "auto" else {}
+        callbacks = [ETTMonitor(report_on_end=False),
+                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=1, **auto)]
     else:
-        strategy = "ddp"
+        strategy = ETTStrategy() if args.arm == "same" else "ddp"
         callbacks = [ETTMonitor(run_dir=work / "run", report_on_end=False),
                      ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=args.every, save_top_k=1, save_last="link")]
     logger = WandbLogger(project="ett-bench", save_dir=str(work), offline=True)
@@ -110,7 +119,7 @@ def main() -> None:
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=50)
     data = DataLoader(random_dataset(args.batches_per_epoch * BATCH_SIZE * trainer.world_size), batch_size=BATCH_SIZE,
                       shuffle=True)
-    trainer.fit(UserModel(), data, ckpt_path="last" if args.arm == "vanilla" else None)
+    trainer.fit(UserModel(), data, ckpt_path=None if args.arm == "pack" else "last")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,16 @@ def test_a_restart_reuses_the_compile_cache_and_another_model_does_not(tmp_path,
     assert (cache / "mega_cache.bin").is_file() and (cache / "inductor").is_dir()
 
     libraries = shared_libraries(cache)
-    warm, _ = run(tmp_path, "warm", cache)  # same cache directory: what a restart sees
+    assert list((cache / "inductor" / "precompiled_headers").glob("*.h.gch")), "the precompiled header stayed in /tmp"
+    empty_tmp = tmp_path / "empty-tmp"
+    empty_tmp.mkdir()
+    # Same cache directory, another host's empty /tmp (where inductor keeps its precompiled header by default).
+    warm, _ = run(tmp_path, "warm", cache, TMPDIR=str(empty_tmp))
     assert warm["cache"]["compile/fx_cache_hits"] > 0 and warm["cache"]["compile/fx_cache_misses"] == 0
     assert warm["cache"]["compile/aot_cache_hits"] > 0
-    # ... and no C++ built again (issue #15): the cold run's kernels, keyed by their compiler command
-    # line, are found; the one compiler run left is inductor's header preprocessing, done in every process.
+    # ... and no C++ built again (issues #15, #31): the cold run's kernels, keyed by their compiler command
+    # line, and its precompiled header are found; the one compiler run left is inductor's header
+    # preprocessing, done in every process.
     assert shared_libraries(cache) == libraries, "the restart compiled C++ the cold run had compiled"
     assert warm["cache"]["compile/cpp_compiles"] <= 1 < cold["cache"]["compile/cpp_compiles"]
     assert warm["loaded"] and warm["loaded"].get("inductor", 0) > 0  # the bundle was loaded too
