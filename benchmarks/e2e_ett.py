@@ -231,9 +231,9 @@ def long_units(tmp: Path, minutes: float, failure_every_s: float, with_vanilla: 
           f"{steps} steps, rank 1 killed after steps {kills}; fixed arms save every {every} steps (Young/Daly, MTBF "
           f"{failure_every_s:g} s); pack: 'auto' with the same MTBF", flush=True)
     spec = ",".join(f"1:{k}:{i}" for i, k in enumerate(kills))
-    fixed = Job(USER_JOB, ["--steps", str(steps), "--every", str(every)], spec, len(kills))
-    auto = Job(USER_JOB, ["--steps", str(steps), "--every", "auto", "--mtbf-hours", repr(failure_every_s / 3600)], spec,
-               len(kills))
+    data = ["--steps", str(steps), "--batches-per-epoch", "1000"]  # epochs of ~20 s, not a new one every 2 s
+    fixed = Job(USER_JOB, [*data, "--every", str(every)], spec, len(kills))
+    auto = Job(USER_JOB, [*data, "--every", "auto", "--mtbf-hours", repr(failure_every_s / 3600)], spec, len(kills))
     units = [torchrun_unit(BASE, "same", fixed, False), pack_unit(auto, False)]
     return ([torchrun_unit("vanilla", "vanilla", fixed, False)] if with_vanilla else []) + units
 
