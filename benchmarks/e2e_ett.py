@@ -216,7 +216,7 @@ def run_rounds(tmp: Path, units: list[Unit], rounds: int) -> dict[str, list[Resu
 # ---------------------------------------------------------------------------- the long job
 def calibrate(tmp: Path, every: int = 50, steps: int = 400) -> tuple[float, float]:
     """Same-training without failures: (seconds per step, blocking seconds per synchronous save)."""
-    job = Job(USER_JOB, ["--steps", str(steps), "--every", str(every)], "", 0)
+    job = Job(USER_JOB, ["--steps", str(steps), "--every", str(every), "--batches-per-epoch", "1000"], "", 0)
     s = run_torchrun(tmp / "calibrate", job, "same", tmp / "calibrate_inductor").summary
     return s.effective_s / steps, s.phases.get("checkpoint_save", 0.0) / (steps // every)
 
