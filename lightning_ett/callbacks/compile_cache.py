@@ -33,7 +33,8 @@ class CompileCache(Callback):
 
     * ``<cache_dir>/inductor`` becomes inductor's cache directory (FX graph, AOTAutograd and
       autotuning caches, and on CPU the compiled C++ libraries, which the portable bundle below
-      does not carry).
+      does not carry), and inductor's CPU precompiled header, which inductor otherwise keeps in
+      ``/tmp`` and a restart on a host with an empty ``/tmp`` built again (5-8 s).
     * ``torch.compiler.config.job_id`` is set to a value stable across restarts (``job_id``, or
       one derived from ``cache_dir``), so automatic-dynamic profiles (PGO) recorded by one
       attempt make the next compile varying dimensions dynamic at once.
