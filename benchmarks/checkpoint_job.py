@@ -1,18 +1,25 @@
 """One checkpoint-cost measurement: a Lightning job with GIB GiB of state saved by METHOD.
 
-The model is a GIB-GiB embedding table (sparse SGD updates a few rows per step, as a
-recommendation model's tables are updated) feeding a dense MLP whose step takes tens of ms.
+Two models (``--model``):
+
+* ``ett``: what this pack exists for. ETTStrategy on 2 gloo ranks, an ``EmbeddingBagCollection``
+  of 8 tables (GIB GiB in all, table-wise sharded: GIB/2 per rank) updated by TorchRec's fused
+  row-wise AdaGrad *inside backward*, and a dense MLP (Adagrad). A method that stages in the
+  background must finish before backward, so only the forward can hide it.
+* ``embedding``: one process, a GIB-GiB ``nn.Embedding`` with sparse SGD (nothing changes before
+  the optimizer step, so forward and backward can hide the late copy) and the same dense MLP.
+
 One warm-up save (whatever a method reuses is then warm), then ``--saves`` measured saves;
-the medians are reported:
+per save and per rank:
 
 * blocked: seconds the training thread spent in the save, plus, for the methods that stage in
   the background (ours, DCP with a reused async stager, thread or process), the wait for
-  staging to finish right before the next step's optimizer step, the first thing that changes
-  this model's state (torchtitan waits at the same point);
+  staging to finish right before the first thing that changes the saved state: backward under
+  the fused optimizer, else the optimizer step (torchtitan waits at the same point);
 * cost: blocked + the extra step time (over the median step without a save) of every step that
   ran while the write was in flight — on a 2-core machine the writer competes with training.
 
-Writes a JSON line to OUT.
+Rank 0 writes a JSON line to OUT, rank r > 0 to OUT.r.
 """
 
 from __future__ import annotations
@@ -27,11 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
-DIM, BATCH = 256, 1024
-METHODS = ("torch_save", "lightning_async", "dcp_async_default", "dcp_async_stager", "dcp_async_process", "ours")
+DIM, BATCH, TABLES = 256, 1024, 8
+# The first method of each model is the synchronous reference of goal (a). Lightning's
+# AsyncCheckpointIO has no ETTStrategy arm: ETTStrategy writes with DCP, not through a CheckpointIO.
+METHODS = {
+    "embedding": ("torch_save", "lightning_async", "dcp_async_default", "dcp_async_stager", "dcp_async_process", "ours"),
+    "ett": ("sync_dcp", "dcp_async_default", "dcp_async_stager", "dcp_async_process", "ours"),
+}
+DCP_METHODS = ("dcp_async_default", "dcp_async_stager", "dcp_async_process")
 
 
 class Steps(IterableDataset):
@@ -56,6 +70,53 @@ class BigState(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class ShardedState(LightningModule):
+    """GIB GiB of TorchRec tables (sharded by ETTStrategy, fused row-wise AdaGrad) + the same MLP."""
+
+    def __init__(self, gib: float) -> None:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        super().__init__()
+        self.rows = int(gib * 2**30 / 4 / DIM / TABLES)
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=self.rows, feature_names=[f"f{i}"])
+            for i in range(TABLES)])
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                       torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+
+    def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        seed = self.global_step * self.trainer.world_size + self.global_rank
+        ids = torch.randint(0, self.rows, (TABLES * BATCH,), generator=torch.Generator().manual_seed(seed))
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(TABLES)], values=ids,
+                                                  lengths=torch.ones(TABLES * BATCH, dtype=torch.int32))
+        return self.mlp(self.ebc(kjt).values()).pow(2).mean()
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.Adagrad(self.parameters(), lr=1e-3)  # ETTStrategy routes the tables to the fused optimizer
+
+
+def agree(done: bool) -> bool:
+    """True on every rank only if it is true on every rank: collective saves start on all ranks or none."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return done
+    flag = torch.tensor([int(done)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _dcp_state(trainer: Trainer) -> dict[str, Any]:
+    """What a DCP user saves: the model's state (ShardedTensors under ETTStrategy) and the fused optimizer's."""
+    strategy = trainer.strategy
+    fused = getattr(strategy, "fused_optimizer_instance", None)
+    state = {"model": strategy.lightning_module_state_dict()}
+    if fused is not None:
+        state["fused"] = fused.state_dict()
+    return state
+
+
 def _stager(process: bool) -> Any:
     """DCP's DefaultStager as torchtitan configures it (``async_with_pinned_mem``), minus what needs CUDA.
 
@@ -72,13 +133,18 @@ class Saver:
     """start(trainer): the blocking part; ready(): before the next mutation; done(); finish(): durable.
 
     Retention is the same for every method: after a save is durable, the one before it is
-    deleted (ours: ``keep_last_n=1``, in its writer; the others on the training thread when
-    the save is seen complete, as Lightning's ModelCheckpoint deletes, and that time is part
-    of their cost), so every method writes next to one earlier checkpoint.
+    deleted, so every method writes next to one earlier checkpoint. Ours (``keep_last_n=1``)
+    and the DCP methods (as torchtitan purges) delete it in a background thread; the
+    synchronous and Lightning-IO methods on the training thread when the save is seen
+    complete, as Lightning's ModelCheckpoint deletes, and that time is part of their cost.
     """
 
-    def __init__(self, method: str, root: Path) -> None:
+    def __init__(self, method: str, root: Path, single_process: bool) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.method, self.root, self.n = method, root, 0
+        self.purger = ThreadPoolExecutor(1, thread_name_prefix="purge") if method in DCP_METHODS else None
+        self.purged: Any = None
         self.future: Any = None
         self.staging: Any = None
         self.waited = 0.0  # seconds ready() blocked the training thread for the save in flight
@@ -88,14 +154,12 @@ class Saver:
         self.previous: Path | None = None
         if method in ("dcp_async_stager", "dcp_async_process"):
             self.stager = _stager(process=method == "dcp_async_process")
-        if method == "dcp_async_process":
-            import torch.distributed as dist
+        if method == "dcp_async_process" and single_process and not dist.is_initialized():
+            # the process-based checkpointer needs a process group, even of one (ETTStrategy makes its own)
+            from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-            if not dist.is_initialized():  # the process-based checkpointer needs a process group, even of one
-                from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))
-                dist.init_process_group("gloo", rank=0, world_size=1)
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))
+            dist.init_process_group("gloo", rank=0, world_size=1)
         if method == "ours":
             from lightning_ett import AsyncCheckpoint
 
@@ -107,19 +171,20 @@ class Saver:
 
         self.n += 1
         self.waited = 0.0
+        self.trainer_strategy = trainer.strategy
         path = self.root / f"save{self.n}"
-        if self.method == "torch_save":
-            trainer.save_checkpoint(path)
+        if self.method in ("torch_save", "sync_dcp"):
+            trainer.save_checkpoint(path)  # ETTStrategy: its synchronous sharded DCP write
         elif self.method == "lightning_async":
             trainer.save_checkpoint(path)
             self.future = trainer.strategy.checkpoint_io._executor.submit(lambda: None)  # FIFO: done after the save
         elif self.method == "dcp_async_default":
-            self.future = dcp.async_save({"model": trainer.lightning_module.state_dict()}, checkpoint_id=str(path))
+            self.future = dcp.async_save(_dcp_state(trainer), checkpoint_id=str(path))
         elif self.method in ("dcp_async_stager", "dcp_async_process"):
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             kind = AsyncCheckpointerType.PROCESS if self.method == "dcp_async_process" else AsyncCheckpointerType.THREAD
-            response = dcp.async_save({"model": trainer.lightning_module.state_dict()}, checkpoint_id=str(path),
+            response = dcp.async_save(_dcp_state(trainer), checkpoint_id=str(path),
                                       async_stager=self.stager, async_checkpointer_type=kind)
             self.staging, self.future = response.staging_completion, response.upload_completion
         else:
@@ -151,7 +216,15 @@ class Saver:
         if self.method == "ours":
             self.async_checkpoint._writer.wait()
         elif self.previous is not None:
-            shutil.rmtree(self.previous) if self.previous.is_dir() else self.previous.unlink()
+            if self.purger is not None:  # DCP: every rank's part is durable once its future is done on every rank
+                if self.purged is not None:
+                    self.purged.result()  # surfaced, never swallowed
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    self.purged = self.purger.submit(shutil.rmtree, self.previous)
+            elif self.method == "sync_dcp":
+                self.trainer_strategy.remove_checkpoint(self.previous)  # rank 0 deletes, as ModelCheckpoint calls it
+            else:
+                shutil.rmtree(self.previous) if self.previous.is_dir() else self.previous.unlink()
             self.previous = None
 
 
@@ -160,10 +233,12 @@ class Driver(Callback):
 
     Several measured saves in one process: the steady state of a job that checkpoints
     periodically (buffers warm, one earlier checkpoint on disk), and a median against noise.
+    Every step ends with the ranks agreeing whether the write in flight is done (one scalar
+    all-reduce, in every stage, so baseline and measured steps carry the same cost).
     """
 
-    def __init__(self, saver: Saver, measured_saves: int, baseline_steps: int = 20) -> None:
-        self.saver, self.measured_saves, self.baseline_steps = saver, measured_saves, baseline_steps
+    def __init__(self, saver: Saver, measured_saves: int, fused: bool, baseline_steps: int = 20) -> None:
+        self.saver, self.measured_saves, self.baseline_steps, self.fused = saver, measured_saves, baseline_steps, fused
         self.stage, self.count, self.step_start = "warmup", 0, 0.0
         self.baseline: list[float] = []
         self.during: list[float] = []
@@ -172,6 +247,10 @@ class Driver(Callback):
         self.results: list[dict[str, float]] = []
         self.staging_bytes: int | None = None
 
+    def on_before_backward(self, trainer, *args):  # type: ignore[no-untyped-def]
+        if self.fused:  # TorchRec's fused optimizer updates the tables inside backward
+            self.saver.ready()
+
     def on_before_optimizer_step(self, trainer, *args):  # type: ignore[no-untyped-def]
         self.saver.ready()
 
@@ -179,13 +258,14 @@ class Driver(Callback):
         self.step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
+        done = agree(self.saver.done())
         step_s = time.perf_counter() - self.step_start
         self.count += 1
         if self.stage == "warmup" and self.count >= 5:
             self.saver.start(trainer)
             self.stage, self.count = "drain", 0
         elif self.stage == "drain":
-            if self.saver.done() and self.count >= 3:
+            if done and self.count >= 3:
                 self.saver.finish()
                 if len(self.results) == self.measured_saves:
                     trainer.should_stop = True
@@ -204,7 +284,7 @@ class Driver(Callback):
                 self.stage, self.count, self.during = "measure", 0, []
         elif self.stage == "measure":
             self.during.append(step_s)
-            if self.saver.done():
+            if done:
                 write_s = time.perf_counter() - self.write_started
                 t = time.perf_counter()
                 self.saver.finish()  # baselines: delete the previous checkpoint now, on the training thread
@@ -221,29 +301,41 @@ class Driver(Callback):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--model", choices=tuple(METHODS), default="embedding")
+    p.add_argument("--method", required=True)
     p.add_argument("--gib", type=float, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--saves", type=int, default=5, help="measured saves (after one warm-up save)")
     args = p.parse_args()
+    if args.method not in METHODS[args.model]:
+        p.error(f"--method {args.method}: the {args.model} model's methods are {', '.join(METHODS[args.model])}")
     root = Path(args.dir)
     torch.manual_seed(0)
-    saver = Saver(args.method, root)
-    driver = Driver(saver, args.saves)
+    saver = Saver(args.method, root, single_process=args.model == "embedding")
+    driver = Driver(saver, args.saves, fused=args.model == "ett")
     callbacks: list[Callback] = [driver] + ([saver.async_checkpoint] if saver.async_checkpoint is not None else [])
     plugins = []
     if args.method == "lightning_async":
         from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
         plugins.append(AsyncCheckpointIO())
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=100_000, callbacks=callbacks, plugins=plugins, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=args.method == "ours",
-                      limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(BigState(args.gib), DataLoader(Steps(), batch_size=None))
+    if args.model == "ett":
+        from lightning_ett import ETTStrategy
+
+        model: LightningModule = ShardedState(args.gib)
+        strategy: Any = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad")
+        devices = 2
+    else:
+        model, strategy, devices = BigState(args.gib), "auto", 1
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=100_000, callbacks=callbacks,
+                      plugins=plugins, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=args.method == "ours", limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, DataLoader(Steps(), batch_size=None))
     medians = {k: statistics.median(r[k] for r in driver.results) for k in driver.results[0]}
-    Path(args.out).write_text(json.dumps({"method": args.method, "gib": args.gib, **medians, "saves": driver.results,
-                                          "staging_bytes": driver.staging_bytes}))
+    out = Path(args.out) if trainer.global_rank == 0 else Path(f"{args.out}.{trainer.global_rank}")
+    out.write_text(json.dumps({"method": args.method, "gib": args.gib, "rank": trainer.global_rank, **medians,
+                               "saves": driver.results, "staging_bytes": driver.staging_bytes}))
 
 
 if __name__ == "__main__":

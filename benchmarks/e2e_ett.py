@@ -34,10 +34,11 @@ Jobs:
 * ``--job long`` (the user job, ~10 minutes of the pack's training, 1 round): a calibration run
   of same-training measures the step time and a synchronous save's cost ``C``; the job gets
   ``--minutes`` of steps and a failure every ``--failure-every-s`` seconds of training (rank 1
-  killed at the same steps in every arm). same-training (and vanilla, ``--with-vanilla``: ~6x
-  slower steps, so ~6x the wall time) save every ``sqrt(2 C MTBF)`` seconds (Young/Daly from
-  the calibration, MTBF = the failure interval); the pack uses ``every_n_train_steps="auto"``
-  with the same MTBF. Goal: pack ETT >= 90 %.
+  killed at the same steps in the pack and same-training). same-training saves every
+  ``sqrt(2 C MTBF)`` seconds (Young/Daly from the calibration, MTBF = the failure interval); the
+  pack uses ``every_n_train_steps="auto"`` with the same MTBF. ``--with-vanilla`` adds vanilla on
+  the same minutes of training and failure interval, from its own calibration (its steps are ~6x
+  slower: the same steps would take ~1 h), at its own Young/Daly interval. Goal: pack ETT >= 90 %.
 
 Two clocks: **ledger** (each arm's ETTMonitor ledger; the torchrun arms' clock starts at this
 script's first launch and ends when their last process exited, as the pack launcher's does)
@@ -214,28 +215,42 @@ def run_rounds(tmp: Path, units: list[Unit], rounds: int) -> dict[str, list[Resu
 
 
 # ---------------------------------------------------------------------------- the long job
-def calibrate(tmp: Path, every: int = 50, steps: int = 400) -> tuple[float, float]:
-    """Same-training without failures: (seconds per step, blocking seconds per synchronous save)."""
+def calibrate(tmp: Path, arm: str = "same", every: int = 50, steps: int = 400) -> tuple[float, float]:
+    """``arm`` without failures: (seconds per step, blocking seconds per synchronous save)."""
     job = Job(USER_JOB, ["--steps", str(steps), "--every", str(every), "--batches-per-epoch", "1000"], "", 0)
-    s = run_torchrun(tmp / "calibrate", job, "same", tmp / "calibrate_inductor").summary
+    s = run_torchrun(tmp / f"calibrate-{arm}", job, arm, tmp / f"calibrate-{arm}-inductor").summary
     return s.effective_s / steps, s.phases.get("checkpoint_save", 0.0) / (steps // every)
 
 
-def long_units(tmp: Path, minutes: float, failure_every_s: float, with_vanilla: bool) -> list[Unit]:
-    step_s, save_s = calibrate(tmp)
+def long_schedule(step_s: float, save_s: float, minutes: float, failure_every_s: float) -> tuple[list[str], str, int, int]:
+    """From a calibration: the job's arguments, its kill spec, the number of failures and the Young/Daly interval."""
     steps = round(minutes * 60 / step_s)
     kills = [round(i * failure_every_s / step_s) for i in range(1, 1 + int(minutes * 60 // failure_every_s))]
     kills = [k for k in kills if k < steps]
     every = max(1, round(young_daly_interval_s(save_s, failure_every_s) / step_s))
-    print(f"calibration (same-training, 400 steps): step {step_s * 1e3:.1f} ms, synchronous save {save_s:.3f} s -> "
-          f"{steps} steps, rank 1 killed after steps {kills}; fixed arms save every {every} steps (Young/Daly, MTBF "
-          f"{failure_every_s:g} s); pack: 'auto' with the same MTBF", flush=True)
-    spec = ",".join(f"1:{k}:{i}" for i, k in enumerate(kills))
     data = ["--steps", str(steps), "--batches-per-epoch", "1000"]  # epochs of ~20 s, not a new one every 2 s
-    fixed = Job(USER_JOB, [*data, "--every", str(every)], spec, len(kills))
-    auto = Job(USER_JOB, [*data, "--every", "auto", "--mtbf-hours", repr(failure_every_s / 3600)], spec, len(kills))
+    return data, ",".join(f"1:{k}:{i}" for i, k in enumerate(kills)), len(kills), every
+
+
+def long_units(tmp: Path, minutes: float, failure_every_s: float, with_vanilla: bool) -> list[Unit]:
+    """same-training and the pack on the same steps and failures; vanilla (~6x slower steps) on the same
+    minutes of training and failure interval, from its own calibration (the same steps would take ~1 h)."""
+    step_s, save_s = calibrate(tmp)
+    data, spec, failures, every = long_schedule(step_s, save_s, minutes, failure_every_s)
+    print(f"calibration (same-training, 400 steps): step {step_s * 1e3:.1f} ms, synchronous save {save_s:.3f} s -> "
+          f"{data[1]} steps, rank 1 killed ({spec}); same-training saves every {every} steps (Young/Daly, MTBF "
+          f"{failure_every_s:g} s); pack: 'auto' with the same MTBF", flush=True)
+    fixed = Job(USER_JOB, [*data, "--every", str(every)], spec, failures)
+    auto = Job(USER_JOB, [*data, "--every", "auto", "--mtbf-hours", repr(failure_every_s / 3600)], spec, failures)
     units = [torchrun_unit(BASE, "same", fixed, False), pack_unit(auto, False)]
-    return ([torchrun_unit("vanilla", "vanilla", fixed, False)] if with_vanilla else []) + units
+    if not with_vanilla:
+        return units
+    v_step_s, v_save_s = calibrate(tmp, "vanilla")
+    v_data, v_spec, v_failures, v_every = long_schedule(v_step_s, v_save_s, minutes, failure_every_s)
+    print(f"calibration (vanilla, 400 steps): step {v_step_s * 1e3:.1f} ms, synchronous save {v_save_s:.3f} s -> "
+          f"{v_data[1]} steps, rank 1 killed ({v_spec}); saves every {v_every} steps (Young/Daly)", flush=True)
+    return [torchrun_unit("vanilla", "vanilla", Job(USER_JOB, [*v_data, "--every", str(v_every)], v_spec, v_failures),
+                          False), *units]
 
 
 # ---------------------------------------------------------------------------- printing
@@ -308,7 +323,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="default: 3 (long: 1)")
     p.add_argument("--minutes", type=float, default=10.0, help="long: minutes of the pack's training")
     p.add_argument("--failure-every-s", type=float, default=150.0, help="long: seconds of training between failures")
-    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (~6x the wall time)")
+    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (same minutes, ~15 min more)")
     p.add_argument("--keep", default=None, help="keep the runs (logs, ledgers) under DIR")
     args = p.parse_args()
 

@@ -1,19 +1,25 @@
-"""Step-time overhead of ETTMonitor on the DLRM example, measured side by side in one run.
+"""Step-time overhead of ETTMonitor on the DLRM example on 2 ranks, measured side by side in one run.
 
-    .venv/bin/python benchmarks/monitor_overhead.py [--pairs 5] [--steps 150]
+    .venv/bin/python benchmarks/monitor_overhead.py [--rounds 5] [--steps 150]
 
-Runs the example's model and data in this process, in pairs of runs without and with
-ETTMonitor whose order alternates from pair to pair (AB, BA, ...: neither arm always runs
-first), and times every training step with a timestamp at ``on_train_batch_end`` (the same in
-both arms). Prints each pair's ratio of median step times and the median of those ratios
-(goal: <= 1.01), and what ETTMonitor's own hooks took per step: every Lightning hook the
-monitor implements is timed in the run with it.
+Every run is a 2-rank job (this script with ``--worker``: the example's model and data under
+ETTStrategy, Lightning's launcher, gloo), so ETTMonitor's straggler all-gather runs as in a
+real job. Each round runs three arms in rotated order: without ETTMonitor, with it, and without
+it again (the A/A control: the noise floor). Every training step is timed with a timestamp at
+``on_train_batch_end`` (the same in all arms); rank 0's are used. Prints per round the ratio of
+median step times (with ÷ without) and of total time ÷ steps over the timed window, the
+medians of those ratios (goal: <= 1.01) against the A/A floor, and what ETTMonitor's own hooks
+took per step on rank 0: every Lightning hook the monitor implements is timed in the run with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,8 +30,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.spread import median_range
 from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
-from lightning_ett import ETTMonitor
+from lightning_ett import ETTMonitor, ETTStrategy
+
+ARMS = ("without", "with", "without A/A")
 
 
 class StepClock(Callback):
@@ -55,7 +64,8 @@ def time_hooks(callback: Callback) -> dict[str, float]:
     return spent
 
 
-def median_step_s(with_monitor: bool, steps: int, warmup: int, workdir: Path, hook_s: list[float] | None = None) -> float:
+def worker(with_monitor: bool, steps: int, warmup: int, workdir: Path, out: Path) -> None:
+    """One 2-rank run; rank 0 writes its median step, window ÷ steps and hook time per step to ``out``."""
     pl.seed_everything(0, verbose=False)
     clock = StepClock()
     callbacks: list[Callback] = [clock]
@@ -65,17 +75,32 @@ def median_step_s(with_monitor: bool, steps: int, warmup: int, workdir: Path, ho
         spent = time_hooks(monitor)
         callbacks.insert(0, monitor)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=CSVLogger(workdir / "logs"),
-        log_every_n_steps=50, callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
+        accelerator="cpu", devices=2, strategy=ETTStrategy(), max_steps=steps, limit_val_batches=0,
+        logger=CSVLogger(workdir / "logs"), log_every_n_steps=50, callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
     )
     trainer.fit(DLRMModule(), RandomCriteoDataModule(batch_size=512))
-    deltas = [b - a for a, b in zip(clock.stamps[warmup:], clock.stamps[warmup + 1 :])]
-    if hook_s is not None and spent:
-        per_step = {name: seconds / steps for name, seconds in spent.items() if not name.startswith(("on_fit", "on_train_start",
-                                                                                                   "on_train_end"))}
-        hook_s.append(sum(per_step.values()))
-    return statistics.median(deltas)
+    if trainer.global_rank != 0:
+        return
+    stamps = clock.stamps[warmup:]
+    per_step = {name: seconds / steps for name, seconds in spent.items()
+                if not name.startswith(("on_fit", "on_train_start", "on_train_end"))}
+    out.write_text(json.dumps({"median_step_s": statistics.median(b - a for a, b in itertools.pairwise(stamps)),
+                               "window_per_step_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+                               "hook_s_per_step": sum(per_step.values())}))
+
+
+def run(with_monitor: bool, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    out = workdir / "result.json"
+    workdir.mkdir(parents=True)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
+    environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, __file__, "--worker", "--with-monitor", str(int(with_monitor)), "--steps",
+                           str(args.steps), "--warmup", str(args.warmup), "--workdir", str(workdir), "--out", str(out)],
+                          env=environ, capture_output=True, text=True, timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the run {'with' if with_monitor else 'without'} ETTMonitor failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def per_step_hook_cost_us(n: int = 20_000) -> float:
@@ -96,29 +121,42 @@ def per_step_hook_cost_us(n: int = 20_000) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--with-monitor", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    ratios, hook_s, steps_s = [], [], []
+    if args.worker:
+        worker(bool(args.with_monitor), args.steps, args.warmup, Path(args.workdir), Path(args.out))
+        return
+    runs: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
-        for pair in range(args.pairs):
-            step: dict[bool, float] = {}
-            order = (False, True) if pair % 2 == 0 else (True, False)
-            for with_monitor in order:
-                step[with_monitor] = median_step_s(with_monitor, args.steps, args.warmup,
-                                                   Path(tmp) / f"{'ett' if with_monitor else 'base'}{pair}", hook_s)
-            base, ours = step[False], step[True]
-            ratios.append(ours / base)
-            steps_s.append(base)
-            first = "without first" if order[0] is False else "with first"
-            print(f"pair {pair} ({first}): median step {base * 1e3:.2f} ms without, {ours * 1e3:.2f} ms with ETTMonitor "
-                  f"-> ratio {ratios[-1]:.4f}; its hooks {hook_s[-1] * 1e6:.0f} us/step")
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
-    print(f"ETTMonitor step-time ratio (median of {args.pairs} pairs): {statistics.median(ratios):.4f} "
-          f"(IQR {q1:.4f}-{q3:.4f})  (goal <= 1.01)")
-    print(f"ETTMonitor's hooks, timed in place: median {statistics.median(hook_s) * 1e6:.0f} us per step = "
-          f"{100 * statistics.median(hook_s) / statistics.median(steps_s):.3f} % of a step")
+        for r in range(args.rounds):
+            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            for arm in order:
+                runs[arm].append(run(arm == "with", args, Path(tmp) / f"r{r}-{arm.replace(' ', '').replace('/', '')}"))
+            w, wo, aa = (runs[a][-1] for a in ARMS)
+            print(f"round {r + 1} ({', '.join(order)}): median step {wo['median_step_s'] * 1e3:.2f} ms without, "
+                  f"{w['median_step_s'] * 1e3:.2f} with, {aa['median_step_s'] * 1e3:.2f} without again -> ratio "
+                  f"{w['median_step_s'] / wo['median_step_s']:.4f} (A/A {aa['median_step_s'] / wo['median_step_s']:.4f}); "
+                  f"its hooks {w['hook_s_per_step'] * 1e6:.0f} us/step", flush=True)
+
+    def ratios(key: str, arm: str) -> list[float]:
+        return [a[key] / b[key] for a, b in zip(runs[arm], runs["without"])]
+
+    for key, label in (("median_step_s", "median step"), ("window_per_step_s", "total time ÷ steps")):
+        ratio, aa = ratios(key, "with"), ratios(key, "without A/A")
+        floor = max(abs(1 - v) for v in aa)
+        verdict = "no difference beyond the A/A floor" if abs(1 - statistics.median(ratio)) <= floor else "a difference"
+        print(f"ETTMonitor {label} ratio over {args.rounds} rounds: {median_range(ratio, '.4f')} (goal <= 1.01); "
+              f"A/A {median_range(aa, '.4f')} (floor ±{floor:.4f}): {verdict}")
+    hooks = statistics.median(x["hook_s_per_step"] for x in runs["with"])
+    step = statistics.median(x["median_step_s"] for x in runs["without"])
+    print(f"ETTMonitor's hooks on rank 0, timed in place: median {hooks * 1e6:.0f} us per step = "
+          f"{100 * hooks / step:.3f} % of a {step * 1e3:.1f} ms step")
     print(f"ledger write per step (isolated): {per_step_hook_cost_us():.1f} us")
 
 

@@ -58,24 +58,49 @@ def _counting_all_to_all_single(output: torch.Tensor, input: torch.Tensor, outpu
 dist.all_to_all_single = _counting_all_to_all_single  # (this benchmark's processes only)
 
 
+LOOPBACK_TX = Path("/sys/class/net/lo/statistics/tx_bytes")
+
+
+def loopback_tx_bytes() -> int | None:
+    """Bytes every process on this host has sent over loopback (IP packets, headers included)."""
+    try:
+        return int(LOOPBACK_TX.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class Measure(Callback):
-    """Counts from the ``warmup``-th step on; times every step."""
+    """Counts from the ``warmup``-th step on; times every step, and the whole window (syncs and data included).
+
+    The loopback counter is read at the window's two ends, independently of the wrapper: all
+    ranks' traffic (all-to-alls, the replica sync, the dense all-reduce, TCP/IP headers).
+    """
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.step_s: list[float] = []
         self._start = 0.0
+        self.window: list[float] = []  # [start of the first counted step, end of the last]
+        self.loopback: list[int | None] = []
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         _COUNT["on"], _COUNT["phase"] = trainer.global_step >= self.warmup, "forward"
+        if trainer.global_step == self.warmup:
+            self.loopback = [loopback_tx_bytes()]
         self._start = time.perf_counter()
+        if trainer.global_step == self.warmup:
+            self.window = [self._start]
 
     def on_before_backward(self, *args: Any) -> None:
         _COUNT["phase"] = "backward"
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        end = time.perf_counter()
         if trainer.global_step > self.warmup:
-            self.step_s.append(time.perf_counter() - self._start)
+            self.step_s.append(end - self._start)
+        if _COUNT["on"]:
+            self.window[1:] = [end]
+            self.loopback[1:] = [loopback_tx_bytes()]
         _COUNT["on"] = False
 
 
@@ -118,7 +143,15 @@ def run_arm(arm: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[st
     seed_everything(0, workers=False, verbose=False)
     _BYTES.clear()
     _CALLS.clear()
-    strategy = ETTStrategy(sharding_type="table_wise", sharding_group_size=arm["k"],
+    sharding = arm.get("sharding", "table_wise")
+    constraints = None
+    if sharding == "column_wise":  # every table in DIM/4 column shards of 4 columns (TorchRec's default is 128)
+        from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+        from torchrec.distributed.planner import ParameterConstraints
+
+        constraints = {f"t_{n}": ParameterConstraints(sharding_types=["column_wise"], min_partition=4)
+                       for n in DEFAULT_CAT_NAMES}
+    strategy = ETTStrategy(sharding_type=sharding, constraints=constraints, sharding_group_size=arm["k"],
                            replica_sync_every_n_steps=arm["interval"], fused_optimizer="row_wise_adagrad",
                            fused_optimizer_kwargs={"lr": 0.05})
     measure = Measure(args.warmup)
@@ -130,9 +163,11 @@ def run_arm(arm: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[st
                        over_arch_layer_sizes=[128, 64, 1])
     trainer.fit(model, datamodule=data)
     counted_steps = args.steps - args.warmup
+    window_s = measure.window[1] - measure.window[0]
+    lo = measure.loopback
     saves: dict[str, list[float]] = {}
     written: dict[str, dict[str, int]] = {}
-    for writers in WRITERS if arm["k"] else [ONE_D_WRITERS]:
+    for writers in (WRITERS if arm["k"] else [ONE_D_WRITERS]) if args.saves else []:
         with writers_patched(writers):
             saves[writers] = []
             for i in range(args.saves):
@@ -152,6 +187,12 @@ def run_arm(arm: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[st
         "a2a_bytes_per_step": {f"{ph}/{kind}/{size}": b / counted_steps for (ph, kind, size), b in _BYTES.items()},
         "a2a_calls_per_step": {f"{ph}/{kind}/{size}": c / counted_steps for (ph, kind, size), c in _CALLS.items()},
         "step_s_median": statistics.median(measure.step_s), "steps_timed": len(measure.step_s),
+        "step_s_mean": window_s / counted_steps,  # the whole window over its steps: syncs and data loading included
+        "loopback_bytes_per_step": (lo[1] - lo[0]) / counted_steps if None not in lo and len(lo) == 2 else None,
+        "dense_bytes": sum(v.numel() * v.element_size() for k, v in trainer.strategy.model.state_dict().items()
+                           if "embedding_bags" not in k and isinstance(v, torch.Tensor)),
+        "table_shards": len({(name, tuple(shard.shard_offsets)) for name, value in tables.items()
+                             if hasattr(value, "metadata") for shard in value.metadata().shards_metadata}),
         "sync_payload_bytes": sync.nbytes if sync is not None else 0,
         "sync_s_per_sync": sync.seconds / sync.syncs if sync is not None and sync.syncs else 0.0,
         "syncs": sync.syncs if sync is not None else 0,
