@@ -39,6 +39,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 DIM, BATCH, TABLES = 256, 1024, 8
+ETT_BATCH = 256  # per rank: one thread per rank, a step of tens of ms as BigState's
 # The first method of each model is the synchronous reference of goal (a). Lightning's
 # AsyncCheckpointIO has no ETTStrategy arm: ETTStrategy writes with DCP, not through a CheckpointIO.
 METHODS = {
@@ -71,7 +72,7 @@ class BigState(LightningModule):
 
 
 class ShardedState(LightningModule):
-    """GIB GiB of TorchRec tables (sharded by ETTStrategy, fused row-wise AdaGrad) + the same MLP."""
+    """GIB GiB of TorchRec tables (sharded by ETTStrategy, fused row-wise AdaGrad) + a dense MLP."""
 
     def __init__(self, gib: float) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -82,16 +83,17 @@ class ShardedState(LightningModule):
         self.ebc = EmbeddingBagCollection(tables=[
             EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=self.rows, feature_names=[f"f{i}"])
             for i in range(TABLES)])
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                       torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+        # Narrower than BigState's: one thread per rank here, for a step of tens of ms as there.
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(TABLES * DIM, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                       torch.nn.ReLU(), torch.nn.Linear(256, 1))
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         seed = self.global_step * self.trainer.world_size + self.global_rank
-        ids = torch.randint(0, self.rows, (TABLES * BATCH,), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(0, self.rows, (TABLES * ETT_BATCH,), generator=torch.Generator().manual_seed(seed))
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(TABLES)], values=ids,
-                                                  lengths=torch.ones(TABLES * BATCH, dtype=torch.int32))
+                                                  lengths=torch.ones(TABLES * ETT_BATCH, dtype=torch.int32))
         return self.mlp(self.ebc(kjt).values()).pow(2).mean()
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -117,16 +119,32 @@ def _dcp_state(trainer: Trainer) -> dict[str, Any]:
     return state
 
 
-def _stager(process: bool) -> Any:
+def _stager(process: bool, sharded: bool) -> Any:
     """DCP's DefaultStager as torchtitan configures it (``async_with_pinned_mem``), minus what needs CUDA.
 
     Pinned memory and non-blocking copies assert on a CPU-only machine; shared memory is what
-    the process-based checkpointer hands its worker the staged tensors in.
+    the process-based checkpointer hands its worker the staged tensors in. ``sharded``
+    (TorchRec's ShardedTensors): DefaultStager's copier calls ``data_ptr()`` on them, which
+    ShardedTensor does not support (torch 2.13), so it cannot stage them at all; what DCP offers
+    that can is ``BlockingAsyncStager(cache_staged_state_dict=True)``: CPU buffers made once and
+    reused, filled on the training thread. Its buffers are pinned, which needs CUDA; here the
+    same without pinning.
     """
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=process, use_async_staging=True,
-                                        use_non_blocking_copy=False))
+    if not sharded:
+        return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=process, use_async_staging=True,
+                                            use_non_blocking_copy=False))
+
+    class ReusedBuffers(BlockingAsyncStager):
+        def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+            if self.state_dict_cache is None:
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            return _copy_state_dict(state_dict, self.state_dict_cache)
+
+    return ReusedBuffers(cache_staged_state_dict=True)
 
 
 class Saver:
@@ -145,6 +163,7 @@ class Saver:
         self.method, self.root, self.n = method, root, 0
         self.purger = ThreadPoolExecutor(1, thread_name_prefix="purge") if method in DCP_METHODS else None
         self.purged: Any = None
+        self.group: Any = None
         self.future: Any = None
         self.staging: Any = None
         self.waited = 0.0  # seconds ready() blocked the training thread for the save in flight
@@ -152,8 +171,9 @@ class Saver:
         self.snapshot: Any = None
         self.kept: Path | None = None  # the newest save of a baseline, and the one before it (deleted once durable)
         self.previous: Path | None = None
+        self.sharded = not single_process
         if method in ("dcp_async_stager", "dcp_async_process"):
-            self.stager = _stager(process=method == "dcp_async_process")
+            self.stager = _stager(process=method == "dcp_async_process", sharded=self.sharded)
         if method == "dcp_async_process" and single_process and not dist.is_initialized():
             # the process-based checkpointer needs a process group, even of one (ETTStrategy makes its own)
             from lightning.fabric.plugins.environments.lightning import find_free_network_port
@@ -165,6 +185,13 @@ class Saver:
 
             self.async_checkpoint = AsyncCheckpoint(root, every_n_train_steps=10**9, keep_last_n=1,
                                                     save_on_train_end=False, resume=False)
+
+    def dcp_group(self) -> Any:
+        """Multi-rank: a gloo group of its own for the background writes, as torchtitan makes one (the default
+        group's collectives, issued by training on the main thread, would interleave with the writer's)."""
+        if self.group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")
+        return self.group
 
     def start(self, trainer: Trainer) -> None:
         import torch.distributed.checkpoint as dcp
@@ -179,14 +206,23 @@ class Saver:
             trainer.save_checkpoint(path)
             self.future = trainer.strategy.checkpoint_io._executor.submit(lambda: None)  # FIFO: done after the save
         elif self.method == "dcp_async_default":
-            self.future = dcp.async_save(_dcp_state(trainer), checkpoint_id=str(path))
+            # Sharded: DCP's default stager cannot copy ShardedTensors (see _stager); the stager async_save
+            # used before it, a fresh CPU copy per call on the training thread, can.
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            stager = BlockingAsyncStager() if self.sharded else None
+            self.future = dcp.async_save(_dcp_state(trainer), checkpoint_id=str(path), async_stager=stager,
+                                         process_group=self.dcp_group())
         elif self.method in ("dcp_async_stager", "dcp_async_process"):
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
             kind = AsyncCheckpointerType.PROCESS if self.method == "dcp_async_process" else AsyncCheckpointerType.THREAD
             response = dcp.async_save(_dcp_state(trainer), checkpoint_id=str(path),
-                                      async_stager=self.stager, async_checkpointer_type=kind)
-            self.staging, self.future = response.staging_completion, response.upload_completion
+                                      async_stager=self.stager, async_checkpointer_type=kind, process_group=self.dcp_group())
+            if hasattr(response, "staging_completion"):  # staged in the background
+                self.staging, self.future = response.staging_completion, response.upload_completion
+            else:  # staged on the training thread (a blocking stager): only the upload is left
+                self.future = response
         else:
             self.async_checkpoint._save(trainer)
             self.snapshot = self.async_checkpoint._snapshot
