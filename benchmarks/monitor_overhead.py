@@ -138,7 +138,7 @@ def main() -> None:
             order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
             for arm in order:
                 runs[arm].append(run(arm == "with", args, Path(tmp) / f"r{r}-{arm.replace(' ', '').replace('/', '')}"))
-            w, wo, aa = (runs[a][-1] for a in ARMS)
+            wo, w, aa = (runs[a][-1] for a in ARMS)
             print(f"round {r + 1} ({', '.join(order)}): median step {wo['median_step_s'] * 1e3:.2f} ms without, "
                   f"{w['median_step_s'] * 1e3:.2f} with, {aa['median_step_s'] * 1e3:.2f} without again -> ratio "
                   f"{w['median_step_s'] / wo['median_step_s']:.4f} (A/A {aa['median_step_s'] / wo['median_step_s']:.4f}); "

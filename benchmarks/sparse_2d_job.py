@@ -191,8 +191,8 @@ def run_arm(arm: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[st
         "loopback_bytes_per_step": (lo[1] - lo[0]) / counted_steps if None not in lo and len(lo) == 2 else None,
         "dense_bytes": sum(v.numel() * v.element_size() for k, v in trainer.strategy.model.state_dict().items()
                            if "embedding_bags" not in k and isinstance(v, torch.Tensor)),
-        "table_shards": len({(name, tuple(shard.shard_offsets)) for name, value in tables.items()
-                             if hasattr(value, "metadata") for shard in value.metadata().shards_metadata}),
+        "table_shards": sum(len(ps.sharding_spec.shards) if ps.sharding_spec is not None else 1  # the plan's, per group
+                            for module in strategy.plan.plan.values() for ps in module.values()),
         "sync_payload_bytes": sync.nbytes if sync is not None else 0,
         "sync_s_per_sync": sync.seconds / sync.syncs if sync is not None and sync.syncs else 0.0,
         "syncs": sync.syncs if sync is not None else 0,

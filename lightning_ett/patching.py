@@ -9,7 +9,7 @@ cache directory, torch's zip CRC in writer threads) and a user's Metric whose
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from typing_extensions import Self
@@ -56,10 +56,16 @@ class Patches:
         self._undo.append(("item", mapping, key, mapping.get(key, _MISSING)))
         mapping[key] = value
 
+    def call_on_undo(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` when undoing, in its place in the stack (e.g. to drop a cache that saw the patched values)."""
+        self._undo.append(("call", fn, None, None))
+
     def undo(self) -> None:
         while self._undo:
             kind, owner, name, old = self._undo.pop()
-            if kind == "item":
+            if kind == "call":
+                owner()
+            elif kind == "item":
                 if old is _MISSING:
                     owner.pop(name, None)
                 else:

@@ -34,7 +34,8 @@ class CompileCache(Callback):
     * ``<cache_dir>/inductor`` becomes inductor's cache directory (FX graph, AOTAutograd and
       autotuning caches, and on CPU the compiled C++ libraries, which the portable bundle below
       does not carry), and inductor's CPU precompiled header, which inductor otherwise keeps in
-      ``/tmp`` and a restart on a host with an empty ``/tmp`` built again (5-8 s).
+      ``/tmp`` and a restart on a host with an empty ``/tmp`` built again (5-8 s): one per host
+      CPU, a torn one removed at setup (see :mod:`lightning_ett.compile.headers`).
     * ``torch.compiler.config.job_id`` is set to a value stable across restarts (``job_id``, or
       one derived from ``cache_dir``), so automatic-dynamic profiles (PGO) recorded by one
       attempt make the next compile varying dimensions dynamic at once.

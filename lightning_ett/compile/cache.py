@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_ett.compile.headers import keep_precompiled_headers
 from lightning_ett.durable.files import atomic_write_bytes, atomic_write_json, set_aside
 from lightning_ett.patching import Patches
 
@@ -45,25 +46,6 @@ def configure(patches: Patches, inductor_dir: Path, job_id: str, autotune_prunin
             return
         patches.setattr(torch._inductor.config, "pre_grad_fusion_options", {name: {} for name in PRE_GRAD_FUSIONS})
         patches.setattr(torch._inductor.config, "post_grad_fusion_options", {name: {} for name in POST_GRAD_FUSIONS})
-
-
-def keep_precompiled_headers(patches: Patches, header_dir: Path) -> None:
-    """Keep inductor's precompiled C++ headers in the persistent directory instead of ``/tmp``.
-
-    Why: inductor builds its CPU precompiled header (~150 MB, 5-8 s of g++ here) in
-    ``<tempfile.gettempdir()>/torchinductor_<user>/precompiled_headers`` whatever
-    ``TORCHINDUCTOR_CACHE_DIR`` says, and every new process asks for it before it looks up a
-    cached kernel, so a restart on a host with an empty ``/tmp`` rebuilt it although every
-    kernel came from the cache (#31: fit to first step 0.44 of cold). The header's file name
-    hashes the compiler's version, its flags and the preprocessed header, so a host whose
-    compiler or flags differ builds its own beside it. Inductor exposes no setting for this
-    directory; its module globals are the only handle (left alone if a torch lacks them).
-    """
-    from torch._inductor import codecache
-
-    if isinstance(getattr(codecache, "_HEADER_DIR", None), str) and isinstance(getattr(codecache, "_HEADER_LOCK_DIR", None), str):
-        patches.setattr(codecache, "_HEADER_DIR", str(header_dir))
-        patches.setattr(codecache, "_HEADER_LOCK_DIR", str(header_dir / "locks"))
 
 
 class Bundle:
