@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from checkpoint_job import METHODS
-from spread import median_range
+from spread import median_range, round_order
 
 
 def measure(model: str, method: str, gib: float, root: Path, saves: int) -> dict:
@@ -100,7 +100,7 @@ def run_model(model: str, gib: float, base: Path, rounds: int, saves: int) -> No
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     ranks: dict[str, list[int]] = {m: [] for m in methods}
     for r in range(rounds):
-        order = arms[r % len(arms):] + arms[:r % len(arms)]
+        order = round_order(arms, r)
         for arm in order:
             runs[arm].append(measure(model, arm.split()[0], gib, base / f"{model}-{gib:g}gib", saves))
         by_cost = sorted(methods, key=lambda m: runs[m][-1]["cost_s"])

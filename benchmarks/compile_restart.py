@@ -54,7 +54,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.spread import median_range
+from benchmarks.spread import median_range, round_order
 
 ATTEMPTS = ("cold", "first restart", "second restart")
 ARMS = {  # name: (host, CompileCache)
@@ -189,7 +189,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="compile-restart-") as d:
         for r in range(args.rounds):
             imports.append(import_seconds())
-            order = units[r % len(units):] + units[:r % len(units)]  # rotated: no arm always first
+            order = round_order(units, r)
             for m, a in order:
                 slug = a.replace(" ", "_").replace("/", "")
                 results[m][a].append(one_job(m, a, Path(d) / f"{m}-{r}-{slug}", args.kill_step))

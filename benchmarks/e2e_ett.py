@@ -65,7 +65,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import BIN, JOB, env
-from benchmarks.spread import median_range
+from benchmarks.spread import median_range, round_order
 from lightning_ett.checkpoint.cadence import young_daly_interval_s
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path
 from lightning_ett.instrument.summary import Summary, summarize_run_dir
@@ -202,7 +202,7 @@ def run_rounds(tmp: Path, units: list[Unit], rounds: int) -> dict[str, list[Resu
     arms: dict[str, list[Result]] = {name: [] for unit in units for name, _ in unit}
     for r in range(rounds):
         t = time.time()
-        order = units[r % len(units):] + units[:r % len(units)]
+        order = round_order(units, r)
         done = []
         for u, unit in enumerate(order):
             for name, run in unit:

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.e2e_ett import USER_JOB, failed, launch
 from benchmarks.reference_job import BIN, env
-from benchmarks.spread import median_range
+from benchmarks.spread import median_range, round_order
 from lightning_ett.instrument.summary import summarize_run_dir
 
 GOAL = 1.01
@@ -60,7 +60,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
     with tempfile.TemporaryDirectory(prefix="ett-watch-") as tmp:
         for r in range(args.rounds):
-            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            order = round_order(ARMS, r)
             for arm in order:
                 runs[arm].append(run(Path(tmp) / f"r{r}-{arm.replace(' ', '-').replace('/', '')}", args.steps,
                                      watch=arm == "watch"))

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.spread import median_range
+from benchmarks.spread import median_range, round_order
 from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 from lightning_ett import ETTMonitor, ETTStrategy
 
@@ -135,7 +135,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            order = round_order(ARMS, r)
             for arm in order:
                 runs[arm].append(run(arm == "with", args, Path(tmp) / f"r{r}-{arm.replace(' ', '').replace('/', '')}"))
             wo, w, aa = (runs[a][-1] for a in ARMS)

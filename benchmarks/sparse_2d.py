@@ -38,7 +38,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from spread import median_range
+from spread import median_range, round_order
 
 # The example DLRM (examples/dlrm.yaml) as this benchmark trains it.
 TABLES, ROWS, DIM, IDS_PER_SAMPLE, BATCH = 26, 20_000, 16, 2, 256
@@ -134,7 +134,7 @@ def main() -> None:
         for r in range(args.rounds):
             for world in args.worlds:
                 arms = arms_of[world]
-                order = arms[r % len(arms):] + arms[:r % len(arms)]
+                order = round_order(arms, r)
                 print(f"round {r + 1}/{args.rounds}, N = {world}: {', '.join(a['name'] for a in order)}", flush=True)
                 ranks = run_round(order, args, Path(tmp) / f"round-{r}-{world}", world)
                 for i, arm in enumerate(order):

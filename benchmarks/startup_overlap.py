@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.spread import median_range
+from benchmarks.spread import median_range, round_order
 from lightning_ett.instrument.ledger import read_ledger
 
 BIN = Path(sys.executable).parent
@@ -76,7 +76,7 @@ def main() -> None:
         warm = Path(tmp) / "warm-cache"
         one_run(Path(tmp) / "prime", True, args.tables, args.launcher, warm)  # fills the warm cache
         for r in range(args.rounds):
-            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            order = round_order(ARMS, r)
             for i, arm in enumerate(order):
                 cache = {"overlapped+fresh cache": Path(tmp) / f"cache{r}", "overlapped+warm cache": warm}.get(arm)
                 runs[arm].append(one_run(Path(tmp) / f"r{r}-{i}", not arm.startswith("sequential"), args.tables,
