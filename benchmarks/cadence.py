@@ -17,7 +17,11 @@ attempt number, so every arm meets the same failures. Arms:
 * **round**: a common round choice, ``every_n_train_steps=ROUND``;
 * **auto**: ``every_n_train_steps="auto"``, learning the MTBF from the job's ledger as a real
   job would (24 h assumed until the first failure; ``--mtbf-given`` hands it the injected MTBF);
-* **too rare**: ``every_n_train_steps=RARE``.
+* **too rare**: ``every_n_train_steps=RARE``;
+* **Young/Daly A/A**: Young/Daly once again, the same interval: its distance from the first
+  sizes the noise (the same failure schedule met at other moments of another job).
+
+Every seed runs every arm, in ``round_order`` (rotated, every other seed reversed).
 
 Prints, per arm, the median over seeds of ETT%, wall, effective, lost and checkpoint_save
 seconds and the number of attempts, each seed's ETT%, and the interval "auto" chose.
@@ -35,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import run_pack
+from benchmarks.spread import round_order
 
 
 def job(work: Path, every: str, steps: int, cache: Path, extra_env: dict[str, str], job_args: list[str],
@@ -79,7 +84,7 @@ def main() -> None:
         print(f"calibration: save cost {cost:.3f} s, step {step * 1000:.1f} ms -> Young/Daly once: every {young_daly} steps",
               flush=True)
         arms = {"too frequent": str(args.frequent), "Young/Daly once": str(young_daly), "round": str(args.round),
-                "auto": "auto", "too rare": str(args.rare)}
+                "auto": "auto", "too rare": str(args.rare), "Young/Daly A/A": str(young_daly)}
         if args.arms:
             unknown = set(args.arms) - set(arms)
             if unknown:
@@ -88,9 +93,9 @@ def main() -> None:
         results: dict[str, list] = {name: [] for name in arms}
         for seed in range(1, args.seeds + 1):
             faults = {"LIGHTNING_ETT_FAULT_MTBF_S": f"{args.mtbf_s:g}:{seed}"}
-            for name, every in (arms.items() if seed % 2 else reversed(arms.items())):  # no arm always first
+            for name, every in round_order(list(arms.items()), seed - 1):
                 extra = [] if every != "auto" or not args.mtbf_given else ["--mtbf-hours", repr(args.mtbf_s / 3600)]
-                run_dir = job(tmp / f"{name.replace(' ', '_')}-{seed}", every, args.steps, cache, faults, extra,
+                run_dir = job(tmp / f"{name.replace(' ', '_').replace('/', '_')}-{seed}", every, args.steps, cache, faults, extra,
                               args.max_restarts)
                 results[name].append(summarize_run_dir(run_dir))
                 print(f"seed {seed} {name}: ETT {results[name][-1].ett_percent:.1f} %", flush=True)
@@ -115,6 +120,10 @@ def main() -> None:
         print(f"ETT % per schedule, {name}: " + ", ".join(f"{s.ett_percent:.1f}" for s in results[name]))
     ett = {n: med([s.ett_percent for s in results[n]]) for n in arms}
     print("ETT% medians: " + "  ".join(f"{n} {v:.1f}" for n, v in ett.items()))
+    if "Young/Daly once" in results and "Young/Daly A/A" in results:
+        gaps = [a.ett_percent - b.ett_percent for a, b in zip(results["Young/Daly A/A"], results["Young/Daly once"])]
+        print("A/A: Young/Daly again minus Young/Daly, ETT points per seed: " + ", ".join(f"{g:+.1f}" for g in gaps)
+              + f"; a difference between arms within ±{max(abs(g) for g in gaps):.1f} points is noise")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ in the ETTMonitor ledger; the job's figure is the slowest rank).
 * **torchrun**: ``torchrun --standalone --nproc-per-node 2 SCRIPT ...`` with
   ``LIGHTNING_ETT_RUN_DIR`` set, so ETTMonitor writes its ledger there.
 * **lightning run**: ``lightning run --devices 2 --run-dir RUN_DIR SCRIPT ...``.
+* **torchrun A/A**: torchrun again; torchrun A/A / torchrun sizes the noise.
 
 Same environment for both (W&B offline, an empty default inductor directory per launch,
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``lightning run`` sets anyway); the arms alternate
-which goes first from round to round. Prints medians with the spread (min-max), the ratio
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``lightning run`` sets anyway); the arms' order is
+``round_order``'s (rotated, every other round reversed). Prints medians with the spread (min-max), the ratio
 lightning run / torchrun (goal <= 1.0), and per arm where the slowest rank's time went: every
 phase its ledger holds up to the end of that first step, the innermost event owning the time as
 in the ETT report, ``launch`` being the gap from the launcher's start to the rank's first event.
@@ -35,17 +36,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import BIN, env
-from benchmarks.spread import median_range
+from benchmarks.spread import median_range, round_order
 from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.summary import summarize
 from lightning_ett.instrument.timeline import PHASE_NAMES
 
 USER_JOB = str(HERE / "e2e_user_job.py")
-ARMS = ("torchrun", "lightning run")
+ARMS = ("torchrun", "lightning run", "torchrun A/A")
 
 
 def command(arm: str, work: Path, script_args: list[str]) -> list[str]:
-    if arm == "torchrun":
+    if arm.startswith("torchrun"):
         return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", USER_JOB, *script_args]
     return [str(BIN / "lightning"), "run", "--devices", "2", "--run-dir", str(work / "run"), USER_JOB, *script_args]
 
@@ -72,7 +73,7 @@ def first_step(run_dir: Path, t0: float) -> dict[int, dict[str, float]]:
 def one_start(arm: str, work: Path, script_args: list[str]) -> tuple[dict[int, dict[str, float]], float]:
     work.mkdir(parents=True)
     environ = env(work / "inductor", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    if arm == "torchrun":
+    if arm.startswith("torchrun"):
         environ["LIGHTNING_ETT_RUN_DIR"] = str(work / "run")
     cmd = command(arm, work, ["--work", str(work), *script_args])
     log = work / "launcher.log"
@@ -100,10 +101,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         root = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for r in range(args.rounds):
-            order = ARMS if r % 2 == 0 else ARMS[::-1]
+            order = round_order(ARMS, r)
             line = []
             for arm in order:
-                ranks, exited = one_start(arm, root / f"r{r}-{arm.replace(' ', '_')}", script_args)
+                ranks, exited = one_start(arm, root / f"r{r}-{arm.replace(' ', '_').replace('/', '_')}", script_args)
                 slowest[arm].append(max(ranks.values(), key=lambda x: x["total"]))
                 for rank, figures in ranks.items():
                     per_rank[arm].setdefault(rank, []).append(figures["total"])
@@ -127,6 +128,8 @@ def main() -> None:
             print(f"{'  ' + phase:<36}" + "".join(f"{median_range([x[phase] for x in slowest[a]]):>{width}}" for a in ARMS))
     ratios = [lr["total"] / tr["total"] for lr, tr in zip(slowest["lightning run"], slowest["torchrun"])]
     print(f"{'ratio lightning run / torchrun':<36}{'':>{width}}{median_range(ratios, '.3f'):>{width}}")
+    control = [aa["total"] / tr["total"] for aa, tr in zip(slowest["torchrun A/A"], slowest["torchrun"])]
+    print(f"{'A/A: torchrun A/A / torchrun':<36}{'':>{width}}{'':>{width}}{median_range(control, '.3f'):>{width}}")
     verdict = "met" if statistics.median(ratios) <= 1.0 else "NOT met"
     print(f"(medians of {args.rounds} round(s), min-max in brackets, ratio per round; goal <= 1.0: {verdict})")
 

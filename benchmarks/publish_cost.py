@@ -8,7 +8,9 @@ The reference job (benchmarks/e2e_job.py, pack arm, no failures): the example To
 The "publisher" arm adds ``ModelPublisher(submodule="model", metrics=["loss"])``: every
 checkpoint becomes a version, exported by its own process while training goes on.
 
-Prints per arm the medians over rounds (arms alternate) of the training time (the ``train``
+A third arm, "baseline A/A", is the baseline again: its ratio to the baseline sizes the noise.
+Prints per arm the medians over rounds (arms in ``round_order``: rotated, every other round
+reversed) of the training time (the ``train``
 phase: 1000 steps' compute, which a background export on the same 2 cores slows), the
 ``publish`` phase (what the trainer spent: notifications and the wait for the last version),
 the versions published, and the ratios publisher ÷ baseline.
@@ -25,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import run_pack
+from benchmarks.spread import round_order
 
 
 def job(work: Path, cache: Path, steps: int, every: int, publish: bool) -> Path:
@@ -41,15 +44,18 @@ def main() -> None:
     from lightning_ett.instrument.summary import summarize_run_dir
     from lightning_ett.instrument.timeline import PUBLISH_FACT
 
-    arms = {"baseline": False, "publisher": True}
+    arms = {"baseline": False, "publisher": True, "baseline A/A": False}
     results: dict[str, list] = {name: [] for name in arms}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cache = tmp / "compile_cache"
         job(tmp / "warm", cache, 50, 100, False)
         for r in range(args.rounds):
-            for name, publish in (arms.items() if r % 2 == 0 else reversed(arms.items())):
-                results[name].append(summarize_run_dir(job(tmp / f"{name}-{r}", cache, args.steps, args.every, publish)))
+            for name, publish in round_order(list(arms.items()), r):
+                run_dir = job(tmp / f"{name.replace(' ', '_').replace('/', '_')}-{r}", cache, args.steps, args.every, publish)
+                results[name].append(summarize_run_dir(run_dir))
+                print(f"round {r} {name}: wall {results[name][-1].wall_s:.2f} s, ETT {results[name][-1].ett_percent:.2f} %",
+                      flush=True)
 
     def med(name: str, get) -> float:
         return statistics.median(get(s) for s in results[name])
@@ -58,11 +64,12 @@ def main() -> None:
             "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0), "wall s": lambda s: s.wall_s,
             "ETT %": lambda s: s.ett_percent, "versions": lambda s: float(len(s.facts_named(PUBLISH_FACT)))}
     print(f"reference job: {args.steps} steps, a checkpoint every {args.every}; medians of {args.rounds} rounds")
-    print(f"{'':<24}{'baseline':>12}{'publisher':>12}{'ratio':>10}")
+    print(f"{'':<24}{'baseline':>12}{'publisher':>12}{'ratio':>10}{'baseline A/A':>14}{'A/A ratio':>10}")
     for label, get in rows.items():
-        a, b = med("baseline", get), med("publisher", get)
-        ratio = f"{b / a:>10.3f}" if a > 0 and label != "versions" else ""
-        print(f"{label:<24}{a:>12.2f}{b:>12.2f}{ratio}")
+        a, b, c = med("baseline", get), med("publisher", get), med("baseline A/A", get)
+        ratio = f"{b / a:>10.3f}" if a > 0 and label != "versions" else f"{'':>10}"
+        control = f"{c / a:>10.3f}" if a > 0 and label != "versions" else ""
+        print(f"{label:<24}{a:>12.2f}{b:>12.2f}{ratio}{c:>14.2f}{control}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/throughput_vs_dmp.py [--pairs 7] [--steps 200]
 
 Same model, data, sharding and optimizers (see throughput_job.py), 2 gloo ranks each. Each
-round runs the three arms back to back, in an order that alternates from round to round (so
-no arm always runs first, on a cooler or warmer machine), and compares ETTStrategy's steps/s
-with each hand-written loop's in that round. Prints every round, then the median and the
+round runs the arms back to back in ``round_order`` (rotated, every other round reversed, so
+no arm always runs first or after the same arm) and compares ETTStrategy's steps/s with each
+hand-written loop's in that round. An A/A control runs the plain DMP loop twice per round; its
+ratio sizes the noise. Prints every round, then the median and the
 interquartile range of each ratio. Goal: ETTStrategy / plain DMP loop median >= 0.95.
 """
 
@@ -21,14 +22,18 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ARMS = ("dmp", "pipeline", "lightning")
-NAMES = {"dmp": "plain DMP loop", "pipeline": "TrainPipelineSparseDist", "lightning": "ETTStrategy"}
+sys.path.insert(0, str(HERE.parent))
+from benchmarks.spread import round_order
+
+ARMS = ("dmp", "pipeline", "lightning", "dmp A/A")
+NAMES = {"dmp": "plain DMP loop", "pipeline": "TrainPipelineSparseDist", "lightning": "ETTStrategy",
+         "dmp A/A": "plain DMP loop again"}
 
 
 def step_time(mode: str, out: Path, steps: int) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
     env["PYTHONPATH"] = str(HERE.parent)
-    proc = subprocess.run([sys.executable, str(HERE / "throughput_job.py"), "--mode", mode, "--out", str(out),
+    proc = subprocess.run([sys.executable, str(HERE / "throughput_job.py"), "--mode", mode.split()[0], "--out", str(out),
                            "--steps", str(steps)], check=False, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -49,17 +54,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {"dmp": [], "pipeline": []}
+    control: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
-            order = ARMS if pair % 2 == 0 else ARMS[::-1]
-            step = {arm: step_time(arm, Path(tmp) / f"{arm}{pair}.json", args.steps) for arm in order}
+            order = round_order(ARMS, pair)
+            step = {arm: step_time(arm, Path(tmp) / f"{arm.replace(' ', '_').replace('/', '_')}{pair}.json", args.steps)
+                    for arm in order}
+            control.append(step["dmp"] / step["dmp A/A"])
             for hand, values in ratios.items():
                 values.append(step[hand] / step["lightning"])  # steps/s ours / steps/s hand-written
             print(f"round {pair} ({' -> '.join(order)}): " + ", ".join(f"{NAMES[a]} {1 / step[a]:.1f} steps/s" for a in ARMS)
-                  + f" -> ETTStrategy/DMP {ratios['dmp'][-1]:.3f}, ETTStrategy/pipeline {ratios['pipeline'][-1]:.3f}",
+                  + f" -> ETTStrategy/DMP {ratios['dmp'][-1]:.3f}, ETTStrategy/pipeline {ratios['pipeline'][-1]:.3f}"
+                  + f", A/A {control[-1]:.3f}",
                   flush=True)
     print(f"ETTStrategy / plain DMP loop throughput, median of {args.pairs} rounds: {spread(ratios['dmp'])}  (goal >= 0.95)")
     print(f"ETTStrategy / TrainPipelineSparseDist throughput, median of {args.pairs} rounds: {spread(ratios['pipeline'])}")
+    print(f"A/A: plain DMP loop again / plain DMP loop throughput, median of {args.pairs} rounds: {spread(control)}")
 
 
 if __name__ == "__main__":
