@@ -21,7 +21,7 @@ attempt number, so every arm meets the same failures. Arms:
 * **Young/Daly A/A**: Young/Daly once again, the same interval: its distance from the first
   sizes the noise (the same failure schedule met at other moments of another job).
 
-Every seed runs every arm, in ``round_order`` (rotated, every other seed reversed).
+Every seed runs every arm, in ``round_order`` (a balanced Latin square).
 
 Prints, per arm, the median over seeds of ETT%, wall, effective, lost and checkpoint_save
 seconds and the number of attempts, each seed's ETT%, and the interval "auto" chose.

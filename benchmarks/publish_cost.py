@@ -9,9 +9,9 @@ The "publisher" arm adds ``ModelPublisher(submodule="model", metrics=["loss"])``
 checkpoint becomes a version, exported by its own process while training goes on.
 
 A third arm, "baseline A/A", is the baseline again: its ratio to the baseline sizes the noise.
-Prints per arm the medians over rounds (arms in ``round_order``: rotated, every other round
-reversed) of the training time (the ``train``
-phase: 1000 steps' compute, which a background export on the same 2 cores slows), the
+Prints per arm the medians over rounds (arms in ``round_order``: a balanced Latin
+square) of the training time (the ``train``
+phase: ``--steps`` steps' compute, which a background export on the same 2 cores slows), the
 ``publish`` phase (what the trainer spent: notifications and the wait for the last version),
 the versions published, and the ratios publisher ÷ baseline.
 """
@@ -19,7 +19,6 @@ the versions published, and the ratios publisher ÷ baseline.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import run_pack
-from benchmarks.spread import round_order
+from benchmarks.spread import median_range, round_order
 
 
 def job(work: Path, cache: Path, steps: int, every: int, publish: bool) -> Path:
@@ -49,7 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         cache = tmp / "compile_cache"
-        job(tmp / "warm", cache, 50, 100, False)
+        job(tmp / "warm", cache, 2 * args.every, args.every, True)  # untimed: compiles, saves and publishes once
         for r in range(args.rounds):
             for name, publish in round_order(list(arms.items()), r):
                 run_dir = job(tmp / f"{name.replace(' ', '_').replace('/', '_')}-{r}", cache, args.steps, args.every, publish)
@@ -57,19 +56,18 @@ def main() -> None:
                 print(f"round {r} {name}: wall {results[name][-1].wall_s:.2f} s, ETT {results[name][-1].ett_percent:.2f} %",
                       flush=True)
 
-    def med(name: str, get) -> float:
-        return statistics.median(get(s) for s in results[name])
-
     rows = {"train s": lambda s: s.effective_s, "publish s": lambda s: s.phases.get("publish", 0.0),
             "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0), "wall s": lambda s: s.wall_s,
             "ETT %": lambda s: s.ett_percent, "versions": lambda s: float(len(s.facts_named(PUBLISH_FACT)))}
-    print(f"reference job: {args.steps} steps, a checkpoint every {args.every}; medians of {args.rounds} rounds")
-    print(f"{'':<24}{'baseline':>12}{'publisher':>12}{'ratio':>10}{'baseline A/A':>14}{'A/A ratio':>10}")
+    print(f"reference job: {args.steps} steps, a checkpoint every {args.every}; medians (min-max) of {args.rounds} rounds")
+    print(f"{'':<20}{'baseline':>20}{'publisher':>20}{'baseline A/A':>20}{'publisher / base':>22}{'A/A / base':>22}")
     for label, get in rows.items():
-        a, b, c = med("baseline", get), med("publisher", get), med("baseline A/A", get)
-        ratio = f"{b / a:>10.3f}" if a > 0 and label != "versions" else f"{'':>10}"
-        control = f"{c / a:>10.3f}" if a > 0 and label != "versions" else ""
-        print(f"{label:<24}{a:>12.2f}{b:>12.2f}{ratio}{c:>14.2f}{control}")
+        values = {name: [get(s) for s in results[name]] for name in arms}
+        cells = "".join(f"{median_range(values[name]):>20}" for name in arms)
+        if label != "versions" and all(v > 0 for v in values["baseline"]):  # per-round ratios, then their median
+            cells += "".join(f"{median_range([x / b for x, b in zip(values[name], values['baseline'])], '.3f'):>22}"
+                             for name in ("publisher", "baseline A/A"))
+        print(f"{label:<20}{cells}")
 
 
 if __name__ == "__main__":

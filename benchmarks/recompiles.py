@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/recompiles.py [--sizes 512,512,300,512,177,64,1000]
 
 Each arm is a fresh process (tests/scripts/compile_job.py: a Lightning job with a compiled MLP,
-one step per batch size) with its own empty inductor cache, so every run compiles cold. Arms:
+one step per batch size) with its own empty inductor cache, so every run compiles cold
+(an untimed run first builds inductor's precompiled header, which every run then shares). Arms:
 plain ``torch.compile``, with DynamicShapes, and plain again (A/A: its compile time's distance
 from plain's sizes the noise); ``--rounds`` rounds in ``round_order``; medians (min-max).
 """
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     rows: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:  # untimed: inductor's precompiled header in /tmp is built once, here
+        run("plain", args.sizes, Path(tmp))
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
             for arm in round_order(ARMS, r):

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/throughput_vs_dmp.py [--pairs 7] [--steps 200]
 
 Same model, data, sharding and optimizers (see throughput_job.py), 2 gloo ranks each. Each
-round runs the arms back to back in ``round_order`` (rotated, every other round reversed, so
-no arm always runs first or after the same arm) and compares ETTStrategy's steps/s with each
+round runs the arms back to back in ``round_order`` (a balanced Latin square, so no arm always
+runs first or after the same arm) and compares ETTStrategy's steps/s with each
 hand-written loop's in that round. An A/A control runs the plain DMP loop twice per round; its
 ratio sizes the noise. Prints every round, then the median and the
 interquartile range of each ratio. Goal: ETTStrategy / plain DMP loop median >= 0.95.
@@ -31,7 +31,7 @@ NAMES = {"dmp": "plain DMP loop", "pipeline": "TrainPipelineSparseDist", "lightn
 
 
 def step_time(mode: str, out: Path, steps: int) -> float:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_") and k != "OMP_NUM_THREADS"}  # same threads
     env["PYTHONPATH"] = str(HERE.parent)
     proc = subprocess.run([sys.executable, str(HERE / "throughput_job.py"), "--mode", mode.split()[0], "--out", str(out),
                            "--steps", str(steps)], check=False, env=env, capture_output=True, text=True, timeout=900)
@@ -50,7 +50,7 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=7, help="rounds of all three arms")
+    parser.add_argument("--pairs", type=int, default=7, help="rounds of all the arms")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {"dmp": [], "pipeline": []}
