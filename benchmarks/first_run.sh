@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 one() {  # $1 label, $2 cold|warm, $3 pyc|nopyc
   rm -rf ett_runs
   if [ "$3" = nopyc ]; then find lightning_ett examples -name __pycache__ -type d -exec rm -rf {} +; fi
-  sync; if [ "$2" = cold ]; then echo 3 > /proc/sys/vm/drop_caches; fi
+  sync; if [ "$2" = cold ]; then echo 3 > /proc/sys/vm/drop_caches || { echo "cannot drop the page cache: run as root" >&2; exit 1; }; fi
   local start=$(date +%s.%N)
   if [ "$3" = nopyc ]; then env -u PYTHONDONTWRITEBYTECODE make example > /tmp/ex_$1.txt 2>&1; else make example > /tmp/ex_$1.txt 2>&1; fi
   local end=$(date +%s.%N)

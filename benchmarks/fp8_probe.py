@@ -8,8 +8,8 @@
 **Overhead** (the goal's own metric: the training loop with the probe ÷ without, goal <= 1.02). The
 planted-outlier MLP (examples/fp8_outliers.py), ``--steps`` steps under ``--precision``. Every
 round is one process (tests/scripts/fp8_job.py ``probe --arms ...``) that trains the same model on
-the same data three times: without the probe (A), without it again (A', the A/A control that sizes
-the noise), and with ``FP8Probe()`` at its defaults; the arm order rotates from round to round.
+the same data four times: an untimed warm-up fit, then without the probe (A), without it again (A',
+the A/A control that sizes the noise), and with ``FP8Probe()`` at its defaults, in ``round_order``.
 The figure is each round's loop time with ÷ A, beside A' ÷ A; medians (min-max) and every run.
 
 **The outlier sweep.** The planted layer's four useless input features at scale 10 ... 1e5, with
@@ -33,10 +33,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from spread import median_range
+from spread import median_range, round_order
 
 JOB = REPO / "tests" / "scripts" / "fp8_job.py"
-ARMS = ["none", "none", "probe"]  # A, A', with
+ARMS = ["none", "none", "probe"]
+LABELS = ("A", "A'", "with")  # ARMS' names: without, without again (A/A), with the probe
 
 
 def job(*args: str) -> dict:
@@ -53,12 +54,10 @@ def job(*args: str) -> dict:
 def overhead(tmp: Path, rounds: int, steps: int, precision: str, batch_size: int) -> dict:
     with_ratio, aa_ratio, last = [], [], {}
     for r in range(rounds):
-        order = ARMS[r % 3:] + ARMS[:r % 3]  # rotate: each arm takes each position once in 3 rounds
-        labels = []
-        seen = 0
-        for arm in order:
-            labels.append("A" if arm == "none" and seen == 0 else "A'" if arm == "none" else "with")
-            seen += arm == "none"
+        # A first fit in a process pays one-off costs (allocator, kernels' first calls): an untimed one goes first,
+        # then the arms in a balanced Latin square, each labelled by its own place in ARMS (not by order of appearance).
+        labels = ["warm-up", *round_order(list(LABELS), r)]
+        order = [ARMS[LABELS.index(label)] if label in LABELS else "none" for label in labels]
         out = tmp / f"overhead-{r}"
         out.mkdir()
         last = job("probe", "--arms", ",".join(order), "--steps", str(steps), "--precision", precision,
