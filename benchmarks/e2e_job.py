@@ -2,7 +2,7 @@
 
 * ``--arm pack``: ETTStrategy (table-wise, fused row-wise Adagrad, plan cache), ETTMonitor,
   AsyncCheckpoint every K steps keeping the last one, as the baselines' ``save_top_k=1`` (resumes
-  by itself), CompileCache, DynamicShapes. Started by
+  by itself), CompileCache, DynamicShapes (unless ``--no-dynamic-shapes``). Started by
   ``lightning run``, which restarts it.
 * ``--arm vanilla``: stock Lightning: DDP, synchronous ``ModelCheckpoint`` every K steps
   (``save_top_k=1, save_last="link"``: one write per save), ``--resume`` restarts from
@@ -33,6 +33,9 @@ def main() -> None:
     p.add_argument("--mtbf-hours", type=float, default=None, help="pack, --every auto: the MTBF (default: from the ledger)")
     p.add_argument("--publish", action="store_true", help="pack: add ModelPublisher(WORK/serving, submodule='model')")
     p.add_argument("--num-embeddings", type=int, default=20_000)
+    p.add_argument("--no-dynamic-shapes", action="store_true",
+                   help="pack: leave DynamicShapes out (e2e_ett.py: its batches are all one size, and the other "
+                        "arms compile without it, so the pack must too for identical work)")
     p.add_argument("--compile-cache", default=None, help="pack: CompileCache directory (default WORK/compile_cache)")
     p.add_argument("--resume", action="store_true", help="vanilla: restart from last.ckpt")
     p.add_argument("--pg-timeout-s", type=float, default=None,
@@ -55,7 +58,8 @@ def main() -> None:
         callbacks = [ETTMonitor(report_on_end=False),
                      AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=1,
                                      **({"mtbf_hours": args.mtbf_hours} if args.every == "auto" else {})),
-                     CompileCache(args.compile_cache or work / "compile_cache"), DynamicShapes()]
+                     CompileCache(args.compile_cache or work / "compile_cache"),
+                     *([] if args.no_dynamic_shapes else [DynamicShapes()])]
         if args.publish:
             callbacks.append(ModelPublisher(work / "serving", submodule="model", metrics=["loss"]))
     else:
