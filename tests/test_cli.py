@@ -39,7 +39,8 @@ def test_report_now_on_a_running_job_counts_wall_time_up_to_now(tmp_path):
 
     run = tmp_path / "run"
     job = subprocess.Popen([sys.executable, str(SCRIPTS / "boring_job.py"), "--run-dir", str(run), "--max-steps", "2000",
-                            "--step-sleep", "0.02"], env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            "--step-sleep", "0.02"], env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           cwd=tmp_path)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:  # until the job has trained a few steps

@@ -75,6 +75,8 @@ def main() -> None:
     if args.wandb_dir:
         loggers.append(WandbLogger(save_dir=args.wandb_dir, offline=True, project="lightning-ett-tests"))
     trainer = Trainer(
+        # Lightning's default ModelCheckpoint writes under default_root_dir (the cwd unless set): never the checkout.
+        default_root_dir=f"{args.run_dir}-trainer",
         max_steps=args.max_steps,
         limit_train_batches=1000,
         val_check_interval=args.val_every or None,
