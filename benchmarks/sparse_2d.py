@@ -6,7 +6,8 @@ Every round is one launch of benchmarks/sparse_2d_job.py per world size N (Light
 gloo) that trains the example DLRM (26 tables x 20,000 x 16, batch 256 per rank) once per arm:
 1D table-wise, 1D column-wise (every table in 4 column shards: the projection's regime beyond 26
 ranks, reached here with few ranks), and 2D (N = 4: K = 2 at each replica-sync interval; N = 8:
-K = 4, sync every 4); the arms' order rotates from round to round. Measured per arm:
+K = 4, sync every 4), and 1D table-wise again (the A/A control: the step-time noise floor); the arms'
+order per round is ``round_order``'s. Measured per arm:
 
 * bytes each rank sends to other ranks in the embedding all-to-alls per step, counted at
   ``all_to_all_single``, and the ranks each all-to-all spans;
@@ -116,7 +117,25 @@ def world_arms(world: int, intervals: list[int]) -> list[dict]:
         arms += [{"name": f"N=4 2D K=2, sync every {n}", "k": 2, "interval": n} for n in intervals]
     else:
         arms += [{"name": f"N={world} 2D K={world // 2}, sync every 4", "k": world // 2, "interval": 4}]
-    return arms
+    return arms + [{"name": f"N={world} 1D A/A", "k": None, "interval": 1}]
+
+
+def step_ratios(by_arm: dict[str, list[list[dict]]], worlds: list[int]) -> None:
+    """Each arm's step (window ÷ steps) ÷ 1D's in the same launch, per round, beside the A/A's: a difference
+    inside the A/A's spread is none."""
+    print("\n## Step (window ÷ steps) ÷ the same launch's 1D table-wise step, per round: median (min-max)\n")
+    for world in worlds:
+        base = [statistics.median(r["step_s_mean"] for r in ranks) for ranks in by_arm[f"N={world} 1D"]]
+        aa = [statistics.median(r["step_s_mean"] for r in ranks) / b for ranks, b in zip(by_arm[f"N={world} 1D A/A"], base)]
+        floor = max(abs(v - 1) for v in aa)
+        print(f"N = {world}: A/A {median_range(aa, '.3f')} (floor ±{floor:.3f})")
+        for name, rounds in by_arm.items():
+            if len(rounds[0]) != world or name in (f"N={world} 1D", f"N={world} 1D A/A"):
+                continue
+            ratios = [statistics.median(r["step_s_mean"] for r in ranks) / b for ranks, b in zip(rounds, base)]
+            inside = abs(statistics.median(ratios) - 1) <= floor
+            verdict = "inside the A/A floor: no difference shown" if inside else "a difference"
+            print(f"  {name}: {median_range(ratios, '.3f')} ({verdict})")
 
 
 def main() -> None:
@@ -190,6 +209,8 @@ def main() -> None:
               f"{mib(ring_bytes(first['sync_payload_bytes'], world // first['arm']['k']))} | "
               f"{median_range(per_sync, '.1f')} | {statistics.median(per_sync) / interval:.1f} | {median_range(means, '.1f')} |")
 
+    step_ratios(by_arm, args.worlds)
+
     if 4 in args.worlds and args.saves:
         print("\n## Checkpoint write, synchronous trainer.save_checkpoint (slowest rank), same tables, N = 4\n")
         print("| arm | who writes the table rows | table bytes written, max rank | min rank | save (s) |")
@@ -204,6 +225,9 @@ def main() -> None:
         two_d = [v for (name, writers), v in save_medians.items() if "2D" in name and writers == "spread"]
         ratio_2d = statistics.median(two_d) / save_medians[("N=4 1D", "each rank its shards")]
         print(f"\n2D save (rows spread over replicas) / 1D table-wise save, medians: {ratio_2d:.3f}")
+        if ("N=4 1D A/A", "each rank its shards") in save_medians:
+            aa_save = save_medians[("N=4 1D A/A", "each rank its shards")] / save_medians[("N=4 1D", "each rank its shards")]
+            print(f"A/A: 1D table-wise again / 1D table-wise save, medians: {aa_save:.3f}")
 
     print("\n## Projection (a model, not a measurement): the same tables, batch 256 per rank\n")
     print("| N | K | all-to-all group | all-to-all bytes/rank/step | message/peer | embedding memory/rank | "
