@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from checkpoint_job import METHODS
-from spread import median_range, round_order
+from spread import aa_floor, against_floor, median_range, round_order
 
 
 def measure(model: str, method: str, gib: float, root: Path, saves: int) -> dict:
@@ -129,8 +129,8 @@ def run_model(model: str, gib: float, base: Path, rounds: int, saves: int) -> No
     print(f"(b) ranking by median cost: {', '.join(ranking)}; ours first in {firsts} of {rounds} rounds (goal: ours first)")
     runner_up = next(m for m in ranking if m != "ours")
     gap = [o["cost_s"] / x["cost_s"] for o, x in zip(runs["ours"], runs[runner_up])]
-    floor = max(abs(1 - v) for v in aa_cost)
-    verdict = "a difference" if abs(1 - statistics.median(gap)) > floor else "no difference beyond the A/A floor"
+    floor = aa_floor(aa_cost)
+    verdict = against_floor(gap, floor)
     print(f"    ours / {runner_up} (the best other method) cost, per round: {median_range(gap, '.3f')}; "
           f"A/A floor ±{floor:.3f}: {verdict}")
     print("    every run's per-save cost (s): " + "; ".join(

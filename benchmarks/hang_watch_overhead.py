@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.e2e_ett import USER_JOB, failed, launch
 from benchmarks.reference_job import BIN, env
-from benchmarks.spread import median_range, round_order
+from benchmarks.spread import aa_floor, against_floor, median_range, round_order
 from lightning_ett.instrument.summary import summarize_run_dir
 
 GOAL = 1.01
@@ -73,9 +73,9 @@ def main() -> None:
               f"wall {median_range([x['probe_s'] for x in runs[arm]], '.1f')} s")
     ratio = [w["wall_per_step_ms"] / n["wall_per_step_ms"] for w, n in zip(runs["watch"], runs["no watch"])]
     aa = [a["wall_per_step_ms"] / n["wall_per_step_ms"] for a, n in zip(runs["no watch A/A"], runs["no watch"])]
-    floor = max(abs(1 - v) for v in aa)
+    floor = aa_floor(aa)
     median = statistics.median(ratio)
-    verdict = "no difference beyond the A/A floor" if abs(1 - median) <= floor else "a difference"
+    verdict = against_floor(ratio, floor)
     print(f"watch / no watch, wall ÷ steps, per round: {median_range(ratio, '.3f')} (goal <= {GOAL}); "
           f"A/A {median_range(aa, '.3f')} (floor ±{floor:.3f}): {verdict}; "
           f"goal {'met' if median <= GOAL else 'not shown (inside the floor)' if verdict.startswith('no') else 'NOT met'}")

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.spread import median_range, round_order
+from benchmarks.spread import aa_floor, against_floor, median_range, round_order
 from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 from lightning_ett import ETTMonitor, ETTStrategy
 
@@ -149,8 +149,8 @@ def main() -> None:
 
     for key, label in (("median_step_s", "median step"), ("window_per_step_s", "total time ÷ steps")):
         ratio, aa = ratios(key, "with"), ratios(key, "without A/A")
-        floor = max(abs(1 - v) for v in aa)
-        verdict = "no difference beyond the A/A floor" if abs(1 - statistics.median(ratio)) <= floor else "a difference"
+        floor = aa_floor(aa)
+        verdict = against_floor(ratio, floor)
         print(f"ETTMonitor {label} ratio over {args.rounds} rounds: {median_range(ratio, '.4f')} (goal <= 1.01); "
               f"A/A {median_range(aa, '.4f')} (floor ±{floor:.4f}): {verdict}")
     hooks = statistics.median(x["hook_s_per_step"] for x in runs["with"])

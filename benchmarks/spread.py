@@ -15,6 +15,16 @@ def median_range(values: list[float], fmt: str = ".2f") -> str:
     return text + (f" ({min(values):{fmt}}-{max(values):{fmt}})" if len(values) > 1 else "")
 
 
+def aa_floor(aa: list[float]) -> float:
+    """The noise floor: how far the A/A ratios (the baseline against itself, per round) strayed from 1."""
+    return max(abs(1 - v) for v in aa)
+
+
+def against_floor(ratios: list[float], floor: float) -> str:
+    """A ratio's median inside the floor is no difference shown, whatever its goal says."""
+    return "no difference beyond the A/A floor" if abs(1 - statistics.median(ratios)) <= floor else "a difference"
+
+
 def round_order(arms: Sequence[T], r: int) -> list[T]:
     """Round ``r``'s order of the arms: row ``r`` of a Williams design (a balanced Latin square).
 

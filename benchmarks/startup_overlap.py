@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.spread import median_range, round_order
+from benchmarks.spread import aa_floor, against_floor, median_range, round_order
 from lightning_ett.instrument.ledger import read_ledger
 
 BIN = Path(sys.executable).parent
@@ -97,13 +97,12 @@ def main() -> None:
               f"(ideal, hiding min(process group {pg:.2f}s, work {work:.2f}s): {ideal:.3f})")
     job = {arm: [max(r["to_first_step"] for r in run.values()) for run in runs[arm]] for arm in ARMS}
     aa = [a / b for a, b in zip(job["sequential A/A"], job["sequential"])]
-    floor = max(abs(1 - v) for v in aa)
+    floor = aa_floor(aa)
     print(f"launcher: {args.launcher}; job (slowest rank) fit->first step over {args.rounds} rounds, median (min–max); "
           f"ratio to sequential per round; A/A floor ±{floor:.3f}")
     for arm in ARMS:
         ratio = [a / b for a, b in zip(job[arm], job["sequential"])]
-        verdict = "" if arm == "sequential" else (
-            " (no difference beyond the A/A floor)" if abs(1 - med(ratio)) <= floor else " (a difference)")
+        verdict = "" if arm == "sequential" else f" ({against_floor(ratio, floor)})"
         print(f"  {arm:<24} {median_range(job[arm], '.2f')} s, ratio {median_range(ratio, '.3f')}{verdict}")
 
 

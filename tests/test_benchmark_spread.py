@@ -1,4 +1,4 @@
-"""The benchmarks' arm order: no position and no predecessor stays with one arm."""
+"""The benchmarks' arm order (no position and no predecessor stays with one arm) and their A/A verdict."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.spread import round_order
+from benchmarks.spread import aa_floor, against_floor, round_order
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
@@ -23,3 +23,10 @@ def test_round_order_is_a_balanced_latin_square(n: int) -> None:
 
 def test_two_arms_alternate() -> None:
     assert [round_order(["a", "b"], r) for r in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+def test_a_ratio_inside_the_aa_floor_is_no_difference_and_one_beyond_it_is() -> None:
+    floor = aa_floor([0.95, 1.08, 1.02])  # the A/A strayed 8 % at most
+    assert floor == pytest.approx(0.08)
+    assert against_floor([1.07, 1.06, 1.30], floor) == "no difference beyond the A/A floor"  # median 1.07
+    assert against_floor([0.90, 0.91, 1.00], floor) == "a difference"  # median 0.91: 9 % below
