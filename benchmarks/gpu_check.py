@@ -24,6 +24,8 @@ figures as JSON to ``--out`` (default ``$OUT/gpu_check.json`` when ``$OUT`` is s
 * ``compile_cache``: time to the first step of a cold start, a warm restart and a start on a
   fresh host that has only CompileCache's bundle (the portable mega-cache, which must carry
   the Triton kernels: every start has an empty Triton cache directory).
+* ``kernels_2d``: issue #32's refusal of ``fused_uvm_caching`` in 2D, and the reason for it on a GPU (only where
+  TorchRec and fbgemm are installed; on the GPU image it says it did not run).
 * ``hang``: the hang watch's evidence on NCCL (issue #28). Two ranks, one per GPU (2+ GPUs): rank 1
   stops making collectives (a hang in Python) while rank 0 enqueues the next all-reduce and waits at
   a host sync. Read from outside, as the watch reads them: rank 0's CPU share while it waits (a CUDA
@@ -60,11 +62,12 @@ from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("pg", "checkpoint", "dynamic_shapes", "compile_cache", "hang")
+SECTIONS = ("pg", "checkpoint", "dynamic_shapes", "compile_cache", "hang", "kernels_2d")
 BLOCK_ENV = "GPU_CHECK_BLOCK_MODULES"  # children set these to None in sys.modules (as if not installed)
 ABSENT_ON_GPU_IMAGE = ("torchrec", "fbgemm_gpu")
 DEADLINE_S = 450.0  # the whole run, children included (the brief: under 8 minutes)
-SECTION_CAP_S = {"pg": 75.0, "checkpoint": 170.0, "dynamic_shapes": 140.0, "compile_cache": 170.0, "hang": 60.0}
+SECTION_CAP_S = {"pg": 75.0, "checkpoint": 170.0, "dynamic_shapes": 140.0, "compile_cache": 170.0, "hang": 60.0,
+                 "kernels_2d": 30.0}
 _DROP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
@@ -1014,10 +1017,75 @@ def _start_ranks(run: Run, name: str, params: dict[str, Any], ranks: int, env: d
     return procs
 
 
+def section_kernels_2d(run: Run, sec: Section) -> None:
+    """Issue #32's decision to refuse ``fused_uvm_caching`` in 2D, where TorchRec and fbgemm (CUDA) are installed.
+
+    (1) With HBM short, TorchRec's planner picks ``fused_uvm_caching`` for a 2-GPU group; under ETTStrategy's 2D
+    constraints it picks ``fused_uvm``, and ``check_plan_2d`` refuses the cached plan. (2) On a GPU, the reason:
+    after a training step of a ``MANAGED_CACHING`` table, ``split_embedding_weights()`` (what a replica sync
+    averages) differs from the rows after ``flush()`` — the updated rows were only in the HBM cache.
+    """
+    try:
+        if run.args.without_torchrec:
+            raise ImportError(name="torchrec")  # as on the GPU image
+        import fbgemm_gpu  # noqa: F401
+        import torchrec  # noqa: F401
+    except ImportError as e:
+        sec.row("status", f"not run: {e.name} is not installed (the GPU image has neither TorchRec nor fbgemm)")
+        sec.check("2D refuses fused_uvm_caching", None, "n/a without TorchRec; tests/test_sparse_2d_config.py plans it on CPU")
+        return
+    import torch
+    from torchrec.distributed.planner import Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from lightning_ett.durable.errors import ConfigurationError
+    from lightning_ett.strategies.plan_cache import compute_plan, embedding_tables
+    from lightning_ett.strategies.sharders import default_sharders
+    from lightning_ett.strategies.sparse_2d import check_plan_2d, constraints_2d
+
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=2_000_000, feature_names=[f"f{i}"])
+               for i in range(4)]
+    module = torch.nn.Sequential(EmbeddingBagCollection(tables=configs, device=torch.device("meta")))
+    topology = Topology(world_size=2, compute_device="cuda", local_world_size=2, hbm_cap=256 * 2**20)
+    free = compute_plan(module, topology, default_sharders("cuda"), {}, 512)
+    kept = compute_plan(module, topology, default_sharders("cuda"), constraints_2d({}, embedding_tables(module)), 512)
+    free_kernels = sorted({s.compute_kernel for s in free.plan["0"].values()})
+    kept_kernels = sorted({s.compute_kernel for s in kept.plan["0"].values()})
+    sec.row("planner kernels, 1D / 2D constraints", f"{free_kernels} / {kept_kernels}")
+    try:
+        check_plan_2d(free, 2)
+        refused = False
+    except ConfigurationError:
+        refused = True
+    sec.check("2D planner avoids fused_uvm_caching", "fused_uvm_caching" not in kept_kernels, str(kept_kernels))
+    sec.check("a cached plan is refused", refused or "fused_uvm_caching" not in free_kernels, str(free_kernels))
+    if run.device != "cuda":
+        sec.check("cache rows invisible to split_embedding_weights", None, "n/a on CPU")
+        return
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+
+    rows, dim = 100_000, 64
+    tbe = SplitTableBatchedEmbeddingBagsCodegen([(rows, dim, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)],
+                                                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.5,
+                                                cache_load_factor=0.2)
+    ids = torch.randint(0, rows, (4096,), device="cuda")
+    offsets = torch.arange(0, 4097, 4, device="cuda")
+    tbe(ids, offsets).sum().backward()
+    seen_by_sync = tbe.split_embedding_weights()[0].clone()
+    tbe.flush()
+    after_flush = tbe.split_embedding_weights()[0]
+    stale = int((seen_by_sync != after_flush).any(dim=1).sum())
+    sec.row("rows updated only in the HBM cache", f"{stale} of {len(ids.unique())} trained rows")
+    sec.check("cache rows invisible to split_embedding_weights", stale > 0, f"{stale} stale rows before flush()")
+
+
 SECTION_RUNNERS = {"pg": section_pg, "checkpoint": section_checkpoint, "dynamic_shapes": section_dynamic_shapes,
-                   "compile_cache": section_compile_cache, "hang": section_hang}
+                   "compile_cache": section_compile_cache, "hang": section_hang, "kernels_2d": section_kernels_2d}
 TITLES = {"pg": "process group", "checkpoint": "AsyncCheckpoint", "dynamic_shapes": "DynamicShapes",
-          "compile_cache": "CompileCache", "hang": "hang watch"}
+          "compile_cache": "CompileCache", "hang": "hang watch", "kernels_2d": "2D kernels (#32)"}
 
 
 def _s(seconds: float) -> str:

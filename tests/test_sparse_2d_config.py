@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from torchrec.distributed.model_parallel import DMPCollection
 from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -13,7 +19,14 @@ from lightning_ett import ETTStrategy
 from lightning_ett.strategies.plan_cache import check_plan_ranks, compute_plan, embedding_tables, plan_inputs
 from lightning_ett.strategies.replica_sync import _buckets
 from lightning_ett.strategies.sharders import default_sharders
-from lightning_ett.strategies.sparse_2d import SHARDING_TYPES_2D, ShardingGroups, constraints_2d, remap_plan
+from lightning_ett.strategies.sparse_2d import (
+    SHARDING_TYPES_2D,
+    SYNCED_KERNELS_2D,
+    ShardingGroups,
+    check_plan_2d,
+    constraints_2d,
+    remap_plan,
+)
 
 
 def ebc(tables: int = 4) -> torch.nn.Module:
@@ -63,16 +76,51 @@ def test_a_group_as_large_as_the_world_is_1d_with_a_warning():
     assert with_k._group_size == 2
 
 
-def test_sharding_types_torchrec_2d_cannot_run_are_rejected_naming_the_argument():
-    assert "table_column_wise" not in SHARDING_TYPES_2D
-    with pytest.raises(ValueError, match=r"sharding_type=\['table_column_wise'\], sharding_group_size=2.*does not support"):
-        Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(sharding_type="table_column_wise", sharding_group_size=2),
+def test_every_sharding_type_of_this_torchrec_is_accepted_in_2d_and_unsynced_kernels_are_refused_by_table():
+    assert set(SHARDING_TYPES_2D) == {t.value for t in ShardingType}  # DMPCollection rejects none (see sparse_2d.py)
+    for sharding_type in SHARDING_TYPES_2D:
+        Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(sharding_type=sharding_type, sharding_group_size=2),
                 logger=False)
-    bad = {"t1": ParameterConstraints(sharding_types=["table_wise", "table_column_wise"])}
-    with pytest.raises(ValueError, match=r"constraints\['t1'\]\.sharding_types=\['table_column_wise'\]"):
-        Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(constraints=bad, sharding_group_size=2), logger=False)
-    # 1D is unaffected
-    Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(sharding_type="table_column_wise"), logger=False)
+    for kernel in ("fused_uvm_caching", "key_value", "ssd_virtual_table"):
+        bad = {"t1": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused", kernel])}
+        with pytest.raises(ValueError, match=rf"constraints\['t1'\]\.compute_kernels=\['{kernel}'\], sharding_group_size=2\)"
+                                             rf".*table 't1' with {kernel}"):
+            Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(constraints=bad, sharding_group_size=2), logger=False)
+        Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(constraints=bad), logger=False)  # 1D is unaffected
+
+
+def cuda_plan(constraints: dict[str, ParameterConstraints]):  # type: ignore[no-untyped-def]
+    """A plan for two GPUs with 256 MiB of HBM each and four 0.5 GiB tables (planned here, without GPUs)."""
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=2_000_000, feature_names=[f"f{i}"])
+               for i in range(4)]
+    module = torch.nn.Sequential(EmbeddingBagCollection(tables=configs, device=torch.device("meta")))
+    topology = Topology(world_size=2, compute_device="cuda", local_world_size=2, hbm_cap=256 * 2**20)
+    return compute_plan(module, topology, default_sharders("cuda"), constraints, 512), embedding_tables(module)
+
+
+def test_on_gpus_the_2d_planner_uses_uncached_uvm_where_1d_would_cache_and_a_cached_plan_is_refused_by_table():
+    free, tables = cuda_plan({})
+    kernels = {t: s.compute_kernel for t, s in free.plan["0"].items()}
+    assert "fused_uvm_caching" in kernels.values()  # what the planner picks when HBM is short
+    with pytest.raises(ValueError, match=r"table '(t\d)' is planned \w+ with compute kernel 'fused_uvm_caching'.*HBM "
+                                         r"cache.*constraints=\{'t\d': ParameterConstraints\(compute_kernels=\['fused', "
+                                         r"'fused_uvm'\]"):
+        check_plan_2d(free, 2)
+    kept, _ = cuda_plan(constraints_2d({}, tables))
+    assert {s.compute_kernel for s in kept.plan["0"].values()} <= set(SYNCED_KERNELS_2D)
+    check_plan_2d(kept, 2)
+
+
+def test_a_given_plan_with_a_dense_sharded_table_is_refused_before_any_step():
+    dense = plan_for(2)
+    dense.plan["0"]["t2"].compute_kernel = "dense"
+    strategy = ETTStrategy(sharding_group_size=2, plan=dense)
+    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    module = ebc()
+    with pytest.raises(ValueError, match=r"table 't2' is planned table_wise with compute kernel 'dense'.*never averaged"):
+        strategy._resolve_plan(module, embedding_tables(module))
+    dense.plan["0"]["t2"].compute_kernel = "fused"
+    assert strategy._resolve_plan(module, embedding_tables(module)) is dense
 
 
 def test_the_planner_is_kept_to_2d_sharding_types_for_tables_the_user_left_to_it():
@@ -81,23 +129,43 @@ def test_the_planner_is_kept_to_2d_sharding_types_for_tables_the_user_left_to_it
     out = constraints_2d(given, tables)
     assert out["t0"].sharding_types == ["row_wise"]
     assert out["t1"].sharding_types == list(SHARDING_TYPES_2D) and out["t1"].min_partition == 4
-    assert given["t1"].sharding_types is None  # the user's object is not changed
+    assert given["t1"].sharding_types is None and given["t1"].compute_kernels is None  # the user's object is not changed
     assert out["t2"].sharding_types == out["t3"].sharding_types == list(SHARDING_TYPES_2D)
+    assert out["t0"].compute_kernels == ["fused", "fused_uvm"] and out["t2"].compute_kernels == ["fused", "fused_uvm", "dense"]
+    only_dp = constraints_2d({"t0": ParameterConstraints(sharding_types=["data_parallel"])}, tables)
+    assert only_dp["t0"].compute_kernels == ["dense"]
 
 
-def test_a_group_plan_is_remapped_onto_each_group_as_dmpcollection_does():
-    plan = plan_for(2)  # table-wise over one group of K = 2
-    ranks_in_plan = {t: s.ranks for t, s in plan.plan["0"].items()}
-    assert sorted(r for ranks in ranks_in_plan.values() for r in ranks) == [0, 0, 1, 1]
-    # N = 4, K = 2: groups {0, 2} and {1, 3}; rank 3 is group-rank 1 of group 1.
-    for rank, expected in ((0, {0: 0, 1: 2}), (3, {0: 1, 1: 3})):
-        groups = ShardingGroups(size=2, world_size=4, rank=rank, node_group_size=2, mesh=None)  # type: ignore[arg-type]
-        remapped = remap_plan(plan, groups)
-        for table, sharding in remapped.plan["0"].items():
-            assert sharding.ranks == [expected[r] for r in ranks_in_plan[table]]
-            (shard,) = sharding.sharding_spec.shards
-            assert str(shard.placement) == f"rank:{sharding.ranks[0]}/cpu"
-    assert {t: s.ranks for t, s in plan.plan["0"].items()} == ranks_in_plan  # the cached group plan is not touched
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard"])
+@pytest.mark.parametrize(("world", "k"), [(4, 2), (4, 1), (8, 2), (8, 4)])
+def test_remap_plan_places_every_shard_where_torchrecs_own_remap_does(sharding_type, world, k, monkeypatch):
+    """``remap_plan`` against ``DMPCollection._remap_sharding_plan`` itself, on plans from the real planner."""
+    import torchrec.distributed.model_parallel as model_parallel
+
+    # TorchRec's remap writes the local device index from it (it asks the default process group for the world size).
+    monkeypatch.setattr(model_parallel, "get_local_size", lambda world_size=None: world)
+    module = ebc()
+    local = math.gcd(k, world)
+    constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in embedding_tables(module)}
+    plan = compute_plan(module, Topology(world_size=k, compute_device="cpu", local_world_size=local),
+                        default_sharders("cpu"), constraints, 512)
+    before = str(plan)
+    placed = set()
+    for rank in range(world):
+        groups = ShardingGroups(size=k, world_size=world, rank=rank, node_group_size=local, mesh=None)  # type: ignore[arg-type]
+        ours = remap_plan(plan, groups)
+        theirs = copy.deepcopy(plan)
+        DMPCollection._remap_sharding_plan(SimpleNamespace(_device=torch.device("cpu")), theirs, rank, world // k, k)
+        for table, sharding in ours.plan["0"].items():
+            expected = theirs.plan["0"][table]
+            assert sharding.ranks == expected.ranks, (rank, table)
+            shards = [(s.shard_offsets, s.shard_sizes, s.placement.rank(), s.placement.device().type)
+                      for s in sharding.sharding_spec.shards]
+            assert shards == [(s.shard_offsets, s.shard_sizes, s.placement.rank(), s.placement.device().type)
+                              for s in expected.sharding_spec.shards], (rank, table)
+            placed.update(sharding.ranks)
+    assert placed == set(range(world))  # every rank holds shards of some replica
+    assert str(plan) == before  # the group plan (cached, shared) is not touched
 
 
 def test_a_given_plan_must_be_for_the_sharding_group():

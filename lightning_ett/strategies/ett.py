@@ -30,6 +30,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
@@ -61,14 +62,16 @@ from lightning_ett.strategies.sharders import (
     default_sharders,
 )
 from lightning_ett.strategies.sparse_2d import (
+    SYNCED_KERNELS_2D,
     ShardingGroups,
+    check_plan_2d,
     constraints_2d,
     node_group_size,
     shard_2d,
     spread_over_replicas,
     validate_2d_arguments,
+    validate_2d_constraints,
     validate_group_size,
-    validate_sharding_types,
 )
 
 #: Name of the communication-free start-up hook ETTStrategy calls on the LightningModule and
@@ -88,9 +91,12 @@ class ETTStrategy(ParallelStrategy):
     step's embedding all-to-all spans K ranks instead of N; dense parameters stay
     data-parallel over all N ranks. Every ``replica_sync_every_n_steps`` optimizer steps the
     replicas of each table are averaged (weights and row-wise AdaGrad state, as TorchRec's
-    ``DMPCollection`` does; see :mod:`lightning_ett.strategies.replica_sync`). A checkpoint
-    holds one copy of each shard, so a save between syncs averages the replicas first. The
-    groups' process groups form in the overlapped start-up (``process_group_init``).
+    ``DMPCollection`` does; see :mod:`lightning_ett.strategies.replica_sync`), and again before
+    anything reads the tables as one model — a checkpoint (so a publish), validation, test,
+    predict, the end of fit — if a backward changed them since (micro-batches count: the
+    fused optimizer steps in every backward). Sharded tables are kept to kernels the sync
+    reaches (``fused``, ``fused_uvm``); a plan with any other is refused, naming the table.
+    The groups' process groups form in the overlapped start-up (``process_group_init``).
 
     Args:
         sharding_type: one sharding type for every table (``"table_wise"``, ``"row_wise"``,
@@ -213,7 +219,7 @@ class ETTStrategy(ParallelStrategy):
             return
         self._group_size = validate_group_size(self.sharding_group_size, world_size)
         if self._group_size is not None:
-            validate_sharding_types(self.sharding_type, self.constraints, self._group_size)
+            validate_2d_constraints(self.sharding_type, self.constraints, self._group_size)
         self._resolved_for = world_size
 
     def set_world_ranks(self) -> None:
@@ -272,6 +278,12 @@ class ETTStrategy(ParallelStrategy):
                     hook()
 
     def _resolve_plan(self, module: nn.Module, tables: dict[str, Any]) -> ShardingPlan | None:
+        plan = self._find_plan(module, tables)
+        if plan is not None and self._group_size is not None:
+            check_plan_2d(plan, self._group_size)  # whatever its source: planner, cache or the user
+        return plan
+
+    def _find_plan(self, module: nn.Module, tables: dict[str, Any]) -> ShardingPlan | None:
         self._sharders = list(self._user_sharders) if self._user_sharders is not None else default_sharders(self.root_device.type)
         if not tables:
             self.plan_source = "none"
@@ -297,7 +309,16 @@ class ETTStrategy(ParallelStrategy):
             if cached is not None:
                 self.plan_source = "cache"
                 return cached
-        plan = compute_plan(module, topology, self._sharders, constraints, self.planner_batch_size)
+        try:
+            plan = compute_plan(module, topology, self._sharders, constraints, self.planner_batch_size)
+        except PlannerError as e:
+            if self._group_size is None:
+                raise
+            raise ConfigurationError(
+                f"ETTStrategy(sharding_group_size={self._group_size}): TorchRec's planner found no plan with the kernels the "
+                f"2D replica sync can average ({', '.join(SYNCED_KERNELS_2D)} for sharded tables; not fused_uvm_caching "
+                "or key-value). Give the planner the real memory (topology=Topology(hbm_cap=..., ddr_cap=...)), a larger "
+                "sharding_group_size, or sharding_group_size=None (1D).") from e
         self.plan_source = "planner"
         if self.plan_cache is not None and self.local_rank == 0:
             self.plan_cache.store(inputs, plan)
@@ -403,11 +424,31 @@ class ETTStrategy(ParallelStrategy):
             self.replica_sync.after_optimizer_step(self.lightning_module.trainer.global_step + 1)
         return output
 
-    def sync_replicas(self) -> None:
-        """2D: average the table replicas now unless they were at this step (collective on every rank)."""
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
         if self.replica_sync is not None:
-            assert self.lightning_module is not None
-            self.replica_sync.sync(self.lightning_module.trainer.global_step)
+            self.replica_sync.after_backward()  # the fused optimizer has just moved this replica's rows
+
+    def sync_replicas(self) -> None:
+        """2D: average the table replicas now unless no backward changed them since the last average.
+
+        Collective on every rank. Called before anything reads the tables as one model: a
+        checkpoint (and so a publish), validation, test, predict and the end of fit.
+        """
+        if self.replica_sync is not None:
+            self.replica_sync.sync()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.sync_replicas()  # between syncs (replica_sync_every_n_steps > 1) each group would evaluate its own copy
+
+    @override
+    def on_test_start(self) -> None:
+        self.sync_replicas()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.sync_replicas()
 
     @property
     def fused_optimizer_instance(self) -> Any:

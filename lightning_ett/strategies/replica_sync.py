@@ -99,7 +99,7 @@ class ReplicaSync:
         self.every_n_steps = every_n_steps
         self.bucket_bytes = bucket_bytes
         self._tensors = sync_tensors(model)
-        self.synced_step = -1  # the global step after which the replicas were last averaged
+        self.dirty = False  # a backward has changed the replicas since they were last averaged
         self.syncs = 0
         self.seconds = 0.0  # time spent averaging, summed over syncs
 
@@ -114,15 +114,24 @@ class ReplicaSync:
         for tensor in self._tensors:
             dist.broadcast(tensor, group_src=0, group=self.replica_group)
 
+    def after_backward(self) -> None:
+        """The fused optimizer updated this replica's rows in that backward (every micro-batch, not every step)."""
+        self.dirty = True
+
     def after_optimizer_step(self, completed_step: int) -> None:
         """Called after each optimizer step; ``completed_step`` is the global step it completes (1-based)."""
         if completed_step % self.every_n_steps == 0:
-            self.sync(completed_step)
+            self.sync()
 
-    def sync(self, step: int) -> None:
-        """Average now, unless already done at ``step`` (several optimizers step once per global step)."""
-        if step == self.synced_step:
-            return
+    def sync(self) -> bool:
+        """Average now unless nothing changed since the last average; whether it averaged.
+
+        Collective: every rank must call it at the same point. "Changed" is counted in
+        backwards, not global steps: with gradient accumulation the fused optimizer moves the
+        replicas apart at every micro-batch, so a save between micro-batches must average too.
+        """
+        if not self.dirty:
+            return False
         start = time.perf_counter()
         if isinstance(self.model, DMPCollection):
             self.model.sync(include_optimizer_state=True)
@@ -130,7 +139,8 @@ class ReplicaSync:
             self._sum_then_divide()
         self.seconds += time.perf_counter() - start
         self.syncs += 1
-        self.synced_step = step
+        self.dirty = False
+        return True
 
     @torch.no_grad()
     def _sum_then_divide(self) -> None:

@@ -35,12 +35,14 @@ def check_fused_optimizer(name: str, device_type: str) -> None:
 
 
 class CPURowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """TorchRec's EBC sharder, offering row-wise sharding on CPU too (TorchRec limits it to cuda/tpu)."""
+    """TorchRec's EBC sharder, offering row-wise, table-row-wise and grid sharding on CPU too (TorchRec limits them
+    to cuda/mtia; fbgemm's CPU kernels run them, tests/distributed/test_sparse_2d.py trains each)."""
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))
         if compute_device_type == "cpu":
-            types += [t.value for t in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) if t.value not in types]
+            extra = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+            types += [t.value for t in extra if t.value not in types]
         return types
 
 

@@ -28,19 +28,39 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.remote_device import _remote_device
 from torch.distributed.tensor import DTensor
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel, DMPCollection
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import EnumerableShardingSpec, ModuleSharder, ShardingEnv2D, ShardingPlan, ShardingType
 
 from lightning_ett.durable.errors import ConfigurationError
 
-#: Sharding types TorchRec's 2D parallelism handles (its own 2D tests cover TW, CW, RW, TWRW and
-#: grid); data-parallel tables are replicated on all N ranks and kept equal by DDP, as in 1D.
-#: ``table_column_wise`` has no 2D handling in TorchRec (its DTensor metadata cannot be built).
+#: Sharding types TorchRec's 2D parallelism handles: ``DMPCollection`` rejects none by name and
+#: builds 2D sharding for TW, CW, TWCW (the CW path), RW, TWRW and grid (tests/distributed/
+#: test_sparse_2d.py runs each on 4 gloo ranks); data-parallel tables ignore the sharding groups:
+#: they are replicated on all N ranks and kept equal by DDP, as in 1D. Key-value tables are not
+#: sharded by ``EmbeddingBagCollection`` sharders at all.
 SHARDING_TYPES_2D: tuple[str, ...] = tuple(t.value for t in (
-    ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE,
-    ShardingType.GRID_SHARD, ShardingType.DATA_PARALLEL,
+    ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE, ShardingType.ROW_WISE,
+    ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD, ShardingType.DATA_PARALLEL,
 ))
+
+#: Compute kernels whose whole state the replica sync reaches, for sharded (not data-parallel)
+#: tables: fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` with its rows in HBM (``fused``) or
+#: in UVM without a cache (``fused_uvm``). Refused: ``fused_uvm_caching`` (the sync averages the
+#: UVM backing rows, but ``split_embedding_weights`` does not see the HBM cache, whose dirty
+#: lines are later written back un-averaged; flushing and invalidating the cache at every sync
+#: would cost more than the cache saves, so it is refused rather than flushed), ``dense`` (a
+#: ``DenseTableBatchedEmbeddingBagsCodegen`` that neither TorchRec's sync nor ours averages), and
+#: the key-value, SSD and virtual-table kernels (not table-batched: never averaged).
+SYNCED_KERNELS_2D: tuple[str, ...] = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FUSED_UVM.value)
+#: Sharding types that split a table over the ranks of a host inside the group: not in a group of one rank.
+NEEDS_A_HOST = (ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
+_UNSYNCED_WHY = ("fused_uvm_caching keeps rows in an HBM cache the sync does not see, whose dirty lines later "
+                 "overwrite the averaged rows; dense and key-value kernels are never averaged, so replicas drift apart")
+#: Data-parallel tables: DDP all-reduces their gradients over all N ranks, so they never diverge.
+DATA_PARALLEL_KERNELS_2D: tuple[str, ...] = (EmbeddingComputeKernel.DENSE.value,)
+
 
 #: Fused optimizers whose per-row state the replica sync averages (TorchRec's 2D sync averages
 #: weights and the AdaGrad ``sum``). Adam's moments would drift apart between replicas.
@@ -81,8 +101,11 @@ def validate_group_size(size: int | None, world_size: int) -> int | None:
     return size
 
 
-def validate_sharding_types(sharding_type: str | None, constraints: dict[str, ParameterConstraints], size: int) -> None:
-    """Fail before start-up on a sharding type that TorchRec's 2D parallelism cannot run."""
+def validate_2d_constraints(sharding_type: str | None, constraints: dict[str, ParameterConstraints], size: int) -> None:
+    """Fail when the Trainer is built, before any rank starts, on a sharding type or compute kernel 2D cannot keep in sync.
+
+    (Every sharding type of this TorchRec is 2D-capable; the type check guards against a future one.)
+    """
     wanted = {"sharding_type": [sharding_type] if sharding_type else []}
     wanted.update({f"constraints[{name!r}].sharding_types": list(c.sharding_types or []) for name, c in constraints.items()})
     for argument, types in wanted.items():
@@ -92,19 +115,58 @@ def validate_sharding_types(sharding_type: str | None, constraints: dict[str, Pa
                 f"ETTStrategy({argument}={bad}, sharding_group_size={size}): TorchRec's 2D sparse parallelism "
                 f"does not support {', '.join(bad)}. Use one of {list(SHARDING_TYPES_2D)}, or "
                 "sharding_group_size=None (1D).")
+    allowed = (*SYNCED_KERNELS_2D, *DATA_PARALLEL_KERNELS_2D)
+    for name, constraint in constraints.items():
+        bad = [k for k in constraint.compute_kernels or [] if k not in allowed]
+        if bad:
+            raise ConfigurationError(
+                f"ETTStrategy(constraints[{name!r}].compute_kernels={bad}, sharding_group_size={size}): the 2D replica "
+                f"sync cannot average table {name!r} with {', '.join(bad)} ({_UNSYNCED_WHY}). Use "
+                f"{list(SYNCED_KERNELS_2D)} ('dense' for data-parallel tables), or sharding_group_size=None (1D).")
 
 
 def constraints_2d(constraints: dict[str, ParameterConstraints], tables: dict[str, Any]) -> dict[str, ParameterConstraints]:
-    """Keep the planner to 2D-capable sharding types for every table the user left to it."""
-    allowed = [t for t in SHARDING_TYPES_2D]
+    """Keep the planner to 2D-capable sharding types and to kernels the replica sync reaches, for what the user left to it.
+
+    Kernels the user named are kept as given: :func:`check_plan_2d` refuses the plan if one of them is unsafe.
+    """
     out = dict(constraints)
     for name in tables:
-        if name not in out:
-            out[name] = ParameterConstraints(sharding_types=allowed)
-        elif not out[name].sharding_types:
-            out[name] = copy.copy(out[name])
-            out[name].sharding_types = allowed
+        constraint = copy.copy(out.get(name) or ParameterConstraints())
+        if not constraint.sharding_types:
+            constraint.sharding_types = list(SHARDING_TYPES_2D)
+        if not constraint.compute_kernels:
+            data_parallel = ShardingType.DATA_PARALLEL.value in constraint.sharding_types
+            sharded = any(t != ShardingType.DATA_PARALLEL.value for t in constraint.sharding_types)
+            constraint.compute_kernels = ([*SYNCED_KERNELS_2D] if sharded else []) + \
+                                         ([*DATA_PARALLEL_KERNELS_2D] if data_parallel else [])
+        out[name] = constraint
     return out
+
+
+def check_plan_2d(plan: ShardingPlan, size: int) -> None:
+    """Refuse, before the first step, a plan with a table the 2D replica sync would leave diverged or cannot shard."""
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():  # type: ignore[union-attr]
+            kind, kernel = sharding.sharding_type, sharding.compute_kernel
+            if kind not in SHARDING_TYPES_2D:
+                raise ConfigurationError(
+                    f"ETTStrategy(sharding_group_size={size}): the plan shards table {table!r} {kind}, which TorchRec's "
+                    f"2D sparse parallelism does not support. Constrain it to one of {list(SHARDING_TYPES_2D)} "
+                    f"(constraints={{{table!r}: ParameterConstraints(sharding_types=[...])}}), or use sharding_group_size=None.")
+            if size == 1 and kind in NEEDS_A_HOST:
+                raise ConfigurationError(
+                    f"ETTStrategy(sharding_group_size=1): table {table!r} is planned {kind}, which splits a table over "
+                    "the ranks of a host inside the sharding group; a group of 1 rank has none (TorchRec fails deep in "
+                    "sharding). Use sharding_group_size >= 2, or shard it table_wise / row_wise.")
+            allowed = DATA_PARALLEL_KERNELS_2D if kind == ShardingType.DATA_PARALLEL.value else SYNCED_KERNELS_2D
+            if kernel not in allowed:
+                raise ConfigurationError(
+                    f"ETTStrategy(sharding_group_size={size}): table {table!r} is planned {kind} with compute kernel "
+                    f"{kernel!r}, which the 2D replica sync cannot average ({_UNSYNCED_WHY}). Pass "
+                    f"constraints={{{table!r}: ParameterConstraints(compute_kernels="
+                    f"{list(allowed)})}} (for a table too large for HBM: 'fused_uvm', rows in host memory without a "
+                    "cache), or sharding_group_size=None (1D).")
 
 
 def node_group_size(size: int, local_world_size: int) -> int:
