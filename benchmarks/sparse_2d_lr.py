@@ -4,10 +4,13 @@
                                                [--optimizer row_wise_adagrad|sgd]
 
 In 2D each of the R = N/K replicas of a table updates it from its own sharding group's share of
-the batch, and the replicas are then averaged (TorchRec's ``DMPCollection`` semantics): for plain
-SGD the average of R updates that each saw 1/R of the gradient sum is 1/R of 1D's update. With
-row-wise AdaGrad the per-row normalisation undoes part of that. This measures it rather than
-arguing it.
+the batch, and the replicas are then averaged (TorchRec's ``DMPCollection`` semantics). Whether that shrinks the
+embedding learning rate depends on how the table gradient is scaled: TorchRec divides the pooled
+embeddings' gradient by the all-to-all's world size (``comm_ops.set_gradient_division``, on by
+default), so a 1D table sees the mean over N ranks and a 2D replica the mean over its K; for SGD
+synced every step the average of the R replica updates is then 1D's update. Row-wise AdaGrad is not
+linear: each replica normalises by an accumulator of its own, noisier, gradients. This measures it
+rather than arguing it.
 
 Each round is one launch of tests/scripts/sparse_2d_job.py (the example DLRM, 26 tables x 500 x 8,
 fused row-wise AdaGrad, batch 32 per rank, learnable step-keyed data: the label depends on a dense
@@ -18,7 +21,9 @@ in how the tables are updated:
 
 * **1D** at ``--lr``; **1D A/A**: the same again (the noise floor of the comparison);
 * **2D** K = 2 (R = N/2), replica sync every step (DMPCollection's default), at ``--lr``;
-* **2D x R**: the same at ``--lr`` x R.
+* **2D x R** and **2D x sqrt(R)**: the same with ``ETTStrategy(replica_lr_scale="replicas")`` (lr x R, what
+  ``"auto"`` picks for row-wise AdaGrad) and ``replica_lr_scale=sqrt(R)`` (with row-wise AdaGrad the noisier
+  per-replica gradients inflate the accumulator, which argues for sqrt(R) rather than R).
 
 Measured: the training loss on each step's new batch (progressive validation: no batch is seen
 twice), averaged over ranks, per quarter of the run; and the held-out loss at the end (4 unseen
@@ -52,14 +57,17 @@ QUARTERS = 4
 def arms(world: int, lr: float, steps: int) -> list[dict]:
     replicas = world // 2
     return [{"arm": "1D", "k": None, "lr": lr}, {"arm": "1D A/A", "k": None, "lr": lr},
-            {"arm": "2D", "k": 2, "lr": lr}, {"arm": f"2D x R (lr x {replicas})", "k": 2, "lr": lr * replicas}]
+            {"arm": "2D", "k": 2, "lr": lr},
+            {"arm": f"2D replica_lr_scale='replicas' (lr x {replicas})", "k": 2, "lr": lr, "lr_scale": "replicas"},
+            {"arm": f"2D x sqrt(R) (lr x {replicas ** 0.5:.2f})", "k": 2, "lr": lr, "lr_scale": replicas ** 0.5}]
 
 
 def run_round(world: int, seed: int, args: argparse.Namespace, out: Path) -> dict[str, dict]:
     ordered = round_order(arms(world, args.lr, args.steps), seed)
     start = {"name": "start", "k": None, "steps": 1, "save": True, "init_seed": seed, "data_seed": seed, "lr": args.lr}
     start["fused_optimizer"] = args.optimizer
-    fits = [start] + [{"name": f"arm{i}", "k": a["k"], "interval": 1, "lr": a["lr"], "steps": 1 + args.steps,
+    fits = [start] + [{"name": f"arm{i}", "k": a["k"], "interval": 1, "lr": a["lr"], "lr_scale": a.get("lr_scale", 1.0),
+                       "steps": 1 + args.steps,
                        "resume": "start", "data_seed": seed, "fused_optimizer": args.optimizer} for i, a in enumerate(ordered)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
     env["PYTHONPATH"] = str(REPO)

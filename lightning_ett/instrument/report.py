@@ -139,7 +139,8 @@ def _fact_lines(summary: Summary) -> list[str]:
         lines.append(f"2D sparse parallelism: tables sharded over groups of {f['sharding_group_size']} of "
                      f"{f['world_size']} ranks ({f['replicas']} replicas of each shard), averaged every "
                      f"{f['every_n_steps']} step(s): {f['syncs']} syncs of {f['payload_bytes'] / 2**20:.1f} MiB, "
-                     f"{per_sync} (rank 0; part of train)")
+                     f"{per_sync} (rank 0; part of train)"
+                     + (f"; table lr x {f['lr_factor']:g} (replica_lr_scale)" if f.get("lr_factor", 1.0) != 1.0 else ""))
     fp8 = summary.facts_named(FP8_FACT)
     if fp8:
         f = fp8[-1]

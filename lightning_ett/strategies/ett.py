@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
@@ -59,6 +59,7 @@ from lightning_ett.strategies.sharders import (
     FUSED_OPTIMIZERS,
     apply_fused_optimizer,
     check_fused_optimizer,
+    default_lr,
     default_sharders,
 )
 from lightning_ett.strategies.sparse_2d import (
@@ -67,6 +68,7 @@ from lightning_ett.strategies.sparse_2d import (
     check_plan_2d,
     constraints_2d,
     node_group_size,
+    replica_lr_factor,
     shard_2d,
     spread_over_replicas,
     validate_2d_arguments,
@@ -118,6 +120,10 @@ class ETTStrategy(ParallelStrategy):
             ``None`` for 1D sharding over all ranks. K = N is 1D (with a warning). The
             planner plans for K ranks (a given ``plan`` or ``topology`` must describe K ranks).
         replica_sync_every_n_steps: optimizer steps between replica syncs (2D only).
+        replica_lr_scale: 2D only: the fused optimizer's learning rate is multiplied by it: a number,
+            ``"replicas"`` (R = N/K) or ``"auto"`` (R for ``row_wise_adagrad``, whose 2D curve then
+            follows 1D's; 1 for ``sgd``, which 2D already trains as 1D; 1 for ``adagrad``, not
+            measured). Default 1: TorchRec's semantics. See README, "Learning rate".
     """
 
     def __init__(
@@ -141,9 +147,10 @@ class ETTStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         sharding_group_size: int | None = None,
         replica_sync_every_n_steps: int = 1,
+        replica_lr_scale: float | str = 1.0,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        validate_2d_arguments(sharding_group_size, replica_sync_every_n_steps, fused_optimizer)
+        validate_2d_arguments(sharding_group_size, replica_sync_every_n_steps, fused_optimizer, replica_lr_scale)
         if sharding_type is not None and sharding_type not in SHARDING_TYPES:
             raise ConfigurationError(
                 f"ETTStrategy(sharding_type={sharding_type!r}): expected one of {list(SHARDING_TYPES)} or None.")
@@ -173,6 +180,7 @@ class ETTStrategy(ParallelStrategy):
         self._patches = Patches()
         self.sharding_group_size = sharding_group_size
         self.replica_sync_every_n_steps = replica_sync_every_n_steps
+        self.replica_lr_scale = replica_lr_scale
         self._group_size: int | None = None  # K in effect: None for 1D (also when K equals the world size)
         self._resolved_for: int | None = None  # the world size _group_size was checked against
         self._groups: ShardingGroups | None = None
@@ -383,7 +391,7 @@ class ETTStrategy(ParallelStrategy):
             rank_zero_warn("ETTStrategy: the model has no TorchRec embedding modules; it trains data-parallel (DDP through DMP).")
         with record_phase(Phase.MODEL_INIT):
             if self.plan is not None:
-                apply_fused_optimizer(module, self.fused_optimizer, self.fused_optimizer_kwargs)
+                apply_fused_optimizer(module, self.fused_optimizer, self._fused_kwargs())
             if self._groups is not None and self.plan is not None:
                 self.model = self._dmp = shard_2d(module, self.plan, self._groups, self.root_device, self._sharders)
                 self.replica_sync = ReplicaSync(self._dmp, self._groups.replica_pg, self._groups.num_replicas,
@@ -394,6 +402,18 @@ class ETTStrategy(ParallelStrategy):
                 module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=self.root_device,
                 plan=self.plan or ShardingPlan({}), sharders=self._sharders, init_data_parallel=True, init_parameters=True,
             )
+
+    def _fused_kwargs(self) -> dict[str, Any]:
+        """The fused optimizer's hyper-parameters, its learning rate scaled by ``replica_lr_scale`` in 2D."""
+        if self._groups is None:
+            return self.fused_optimizer_kwargs
+        factor = replica_lr_factor(self.replica_lr_scale, self.fused_optimizer, self._groups.num_replicas)
+        if factor == 1.0:
+            return self.fused_optimizer_kwargs
+        lr = self.fused_optimizer_kwargs.get("lr", default_lr(self.fused_optimizer))
+        rank_zero_info(f"ETTStrategy(replica_lr_scale={self.replica_lr_scale!r}): the tables' {self.fused_optimizer} "
+                       f"learning rate is {lr} x {factor:g} = {lr * factor:g} in 2D ({self._groups.num_replicas} replicas).")
+        return {**self.fused_optimizer_kwargs, "lr": lr * factor}
 
     @override
     def model_to_device(self) -> None:
@@ -562,8 +582,10 @@ class ETTStrategy(ParallelStrategy):
         self.sync_replicas()  # 2D: what fit leaves behind (eval, predict, a final save) is one model
         if self.replica_sync is not None and self._groups is not None and self.is_global_zero:
             sync = self.replica_sync
+            factor = replica_lr_factor(self.replica_lr_scale, self.fused_optimizer, self._groups.num_replicas)
             get_timeline().fact(SPARSE_2D_FACT, sharding_group_size=self._groups.size, world_size=self._groups.world_size,
                                 replicas=self._groups.num_replicas, every_n_steps=sync.every_n_steps, syncs=sync.syncs,
+                                lr_factor=factor,
                                 payload_bytes=sync.nbytes, sync_s=sync.seconds)
         if self._sigterm is not None:
             self._sigterm.flush()  # no asynchronous broadcast left outstanding

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -51,6 +52,11 @@ def default_sharders(compute_device_type: str) -> list[ModuleSharder[nn.Module]]
     if compute_device_type != "cpu":
         return sharders
     return [CPURowWiseEmbeddingBagCollectionSharder() if type(s) is EmbeddingBagCollectionSharder else s for s in sharders]
+
+
+def default_lr(name: str) -> float:
+    """The learning rate ``FUSED_OPTIMIZERS[name]`` uses when ``fused_optimizer_kwargs`` gives none."""
+    return float(inspect.signature(FUSED_OPTIMIZERS[name]).parameters["lr"].default)
 
 
 def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) -> None:

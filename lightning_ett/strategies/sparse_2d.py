@@ -67,8 +67,31 @@ DATA_PARALLEL_KERNELS_2D: tuple[str, ...] = (EmbeddingComputeKernel.DENSE.value,
 FUSED_OPTIMIZERS_2D = ("row_wise_adagrad", "adagrad", "sgd")
 
 
-def validate_2d_arguments(size: int | None, sync_every: int, fused_optimizer: str) -> None:
+#: ``replica_lr_scale="auto"``: the factor on the fused optimizer's learning rate in 2D, by optimizer, from
+#: benchmarks/sparse_2d_lr.py. Row-wise AdaGrad: each replica's accumulator grows on its own group's noisier
+#: gradients, so 2D learns slower early; lr x R brought the first quarter of the curve within 3.4 % of 1D's
+#: at R = 2 and 4 (same lr: up to 15 % behind). SGD: TorchRec divides the embedding gradient by the all-to-all's
+#: world size, so a sync every step averages R updates of the mean gradient over K ranks into 1D's update
+#: (measured equal to 1D): no scale. AdaGrad (element-wise) is not measured: no scale.
+AUTO_LR_SCALE = {"row_wise_adagrad": "replicas", "sgd": 1.0, "adagrad": 1.0}
+
+
+def replica_lr_factor(scale: float | str, fused_optimizer: str, replicas: int) -> float:
+    """What ``replica_lr_scale`` multiplies the fused optimizer's learning rate by, with ``replicas`` replicas."""
+    if scale == "auto":
+        scale = AUTO_LR_SCALE.get(fused_optimizer, 1.0)
+    return float(replicas) if scale == "replicas" else float(scale)
+
+
+def validate_2d_arguments(size: int | None, sync_every: int, fused_optimizer: str, lr_scale: float | str = 1.0) -> None:
     """ETTStrategy's constructor checks of its 2D arguments (the world size is not known yet)."""
+    if not (lr_scale in ("auto", "replicas") or (isinstance(lr_scale, (int, float)) and not isinstance(lr_scale, bool)
+                                                  and lr_scale > 0)):
+        raise ConfigurationError(f"ETTStrategy(replica_lr_scale={lr_scale!r}): expected a number > 0, 'replicas' (x R) or "
+                                 "'auto' (x R for row_wise_adagrad, x 1 for sgd and adagrad).")
+    if size is None and lr_scale != 1.0:
+        raise ConfigurationError(f"ETTStrategy(replica_lr_scale={lr_scale!r}) scales the tables' learning rate in 2D only; "
+                                 "pass sharding_group_size=K too, or leave replica_lr_scale at 1.")
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise ConfigurationError(f"ETTStrategy(sharding_group_size={size!r}): expected an int >= 1 (ranks per sharding group, a "
                                  "divisor of the world size), or None for 1D sharding.")

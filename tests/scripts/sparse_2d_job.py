@@ -6,8 +6,8 @@ Several fits run one after the other in the same 4 processes (one process group,
 ``"save_mid_at"`` (a ``trainer.save_checkpoint`` after that micro-batch, the state then recorded as ``mid``),
 ``"sigterm_at"`` (rank 0 SIGTERMs itself in that micro-batch, stopped by Lightning's per-batch check as on NCCL;
 AsyncCheckpoint saves on the way out), ``"val_every"`` (validation every that many batches, recording each rank's
-table digest as validation sees it), ``"lr"``, ``"init_seed"`` (the model's initialization) and ``"data_seed"``
-(benchmarks/sparse_2d_lr.py varies both).
+table digest as validation sees it), ``"lr"``, ``"lr_scale"`` (``replica_lr_scale``), ``"init_seed"`` (the model's
+initialization) and ``"data_seed"`` (benchmarks/sparse_2d_lr.py varies both).
 Batches are made from (global step, micro-batch, rank) and learnable (the label depends on a dense feature
 and on the parity of the first id), so a resumed fit sees the data an uninterrupted one saw.
 Each fit writes OUT/<name>/rank<r>.pt: losses, the held-out loss, every tensor this rank holds
@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from examples.dlrm_example import DLRMModule
 from lightning_ett import AsyncCheckpoint, ETTMonitor, ETTStrategy, ModelPublisher
 from lightning_ett.strategies import sigterm
+from lightning_ett.strategies.replica_sync import table_kernels
 
 ROWS, DIM, BATCH = 500, 8, 32
 EVAL_STEP = 99_999  # batches from here on are never trained on
@@ -180,7 +181,8 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int, launcher: dict[str, A
     strategy = ETTStrategy(sharding_type=sharding_type, constraints=constraints, sharding_group_size=spec.get("k"),
                            replica_sync_every_n_steps=spec.get("interval", 1),
                            fused_optimizer=spec.get("fused_optimizer", "row_wise_adagrad"),
-                           fused_optimizer_kwargs={"lr": spec.get("lr", 0.05)})
+                           fused_optimizer_kwargs={"lr": spec.get("lr", 0.05)},
+                           replica_lr_scale=spec.get("lr_scale", 1.0))
     record = Record(bool(spec.get("digests")))
     if spec.get("save_mid_at") is not None:
         record.save_mid = (spec["save_mid_at"], out / spec["name"] / "mid")
@@ -214,6 +216,7 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int, launcher: dict[str, A
         "losses": model.losses, "held_out_loss": model.held_out_loss(), "global_step": trainer.global_step,
         "start": record.start, "end": held_state(trainer), "digests": record.steps, "plan": str(strategy.plan),
         "mid": record.mid, "validated": model.validated, "batches": len(model.losses),
+        "table_lr": sorted({kernel.get_learning_rate() for kernel in table_kernels(strategy.model)}),
         "replica_syncs": strategy.replica_sync.syncs if strategy.replica_sync is not None else 0,
         "replica_sync_bytes": strategy.replica_sync.nbytes if strategy.replica_sync is not None else 0,
     }
