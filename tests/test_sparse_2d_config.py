@@ -26,6 +26,7 @@ from lightning_ett.strategies.sparse_2d import (
     check_plan_2d,
     constraints_2d,
     remap_plan,
+    replica_lr_factor,
 )
 
 
@@ -140,7 +141,7 @@ def test_the_planner_is_kept_to_2d_sharding_types_for_tables_the_user_left_to_it
 @pytest.mark.parametrize(("world", "k"), [(4, 2), (4, 1), (8, 2), (8, 4)])
 def test_remap_plan_places_every_shard_where_torchrecs_own_remap_does(sharding_type, world, k, monkeypatch):
     """``remap_plan`` against ``DMPCollection._remap_sharding_plan`` itself, on plans from the real planner."""
-    import torchrec.distributed.model_parallel as model_parallel
+    from torchrec.distributed import model_parallel
 
     # TorchRec's remap writes the local device index from it (it asks the default process group for the world size).
     monkeypatch.setattr(model_parallel, "get_local_size", lambda world_size=None: world)
@@ -195,3 +196,18 @@ def test_replica_sync_buckets_are_bounded_and_keep_dtypes_apart():
     buckets = list(_buckets(tensors, bucket_bytes=100))
     assert [[t.numel() for t in b] for b in buckets] == [[10, 10], [30], [2], [5]]  # 120 bytes of float32 never in one
     assert all(len({t.dtype for t in b}) == 1 for b in buckets)
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, True, "x2", None])
+def test_a_replica_lr_scale_that_is_not_positive_or_a_known_word_is_rejected_by_name(scale):
+    with pytest.raises(ValueError, match=r"ETTStrategy\(replica_lr_scale=.*expected a number > 0, 'replicas'"):
+        ETTStrategy(sharding_group_size=2, replica_lr_scale=scale)
+
+
+def test_replica_lr_scale_without_2d_is_refused_and_auto_follows_the_measured_optimizers():
+    with pytest.raises(ValueError, match=r"replica_lr_scale=2\) scales the tables' learning rate in 2D only"):
+        ETTStrategy(replica_lr_scale=2)
+    ETTStrategy(replica_lr_scale=1.0)  # the default, 1D
+    assert replica_lr_factor("auto", "row_wise_adagrad", 4) == 4.0
+    assert replica_lr_factor("auto", "sgd", 4) == replica_lr_factor("auto", "adagrad", 4) == 1.0
+    assert replica_lr_factor("replicas", "sgd", 3) == 3.0 and replica_lr_factor(0.5, "sgd", 3) == 0.5

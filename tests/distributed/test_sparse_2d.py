@@ -251,6 +251,7 @@ def type_fits() -> list[dict]:
     # Row-wise 2D resumed table-wise 1D: the row-wise state of both is [rows] per table.
     fits.append({"name": "row_wise-2d-to-table_wise-1d", "sharding_type": "table_wise", "k": None,
                  "steps": TYPE_STEPS + 2, "resume": "row_wise-2d"})
+    fits.append({"name": "lr-auto", "sharding_type": "row_wise", "k": 2, "steps": 2, "lr_scale": "auto"})
     # Preempted between micro-batches: Lightning's per-batch SIGTERM check (NCCL's), AsyncCheckpoint's save on the way out.
     fits.append({"name": "sigterm", "sharding_type": "row_wise", "k": 2, "interval": 1, "accumulate": 2, "sigterm_at": 6,
                  "steps": 20})
@@ -364,3 +365,9 @@ def test_a_sigterm_between_micro_batches_saves_a_checkpoint_equal_to_every_repli
     whole = _whole(saved)
     for rank in ranks:
         assert assert_state_equals_checkpoint(tables(rank["end"]), whole, "sigterm") >= 13
+
+
+def test_replica_lr_scale_auto_multiplies_the_row_wise_adagrad_learning_rate_by_the_replica_count_in_2d_only(type_runs):
+    assert load(type_runs, "lr-auto")[0]["table_lr"] == [pytest.approx(0.05 * 2)]  # 2 replicas
+    assert load(type_runs, "row_wise-2d")[0]["table_lr"] == load(type_runs, "row_wise-1d")[0]["table_lr"] == \
+        [pytest.approx(0.05)]
