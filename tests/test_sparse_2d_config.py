@@ -23,6 +23,7 @@ from lightning_ett.strategies.sparse_2d import (
     SHARDING_TYPES_2D,
     SYNCED_KERNELS_2D,
     ShardingGroups,
+    check_modules_2d,
     check_plan_2d,
     constraints_2d,
     remap_plan,
@@ -104,11 +105,11 @@ def test_on_gpus_the_2d_planner_uses_uncached_uvm_where_1d_would_cache_and_a_cac
     kernels = {t: s.compute_kernel for t, s in free.plan["0"].items()}
     assert "fused_uvm_caching" in kernels.values()  # what the planner picks when HBM is short
     with pytest.raises(ValueError, match=r"table '(t\d)' is planned \w+ with compute kernel 'fused_uvm_caching'.*HBM "
-                                         r"cache.*constraints=\{'t\d': ParameterConstraints\(compute_kernels=\['fused', "
-                                         r"'fused_uvm'\]"):
+                                         r"cache.*constraints=\{'t\d': ParameterConstraints\(compute_kernels=\[...\]\)\} "
+                                         r"with 'fused' \(on CUDA also 'fused_uvm'"):
         check_plan_2d(free, 2)
-    kept, _ = cuda_plan(constraints_2d({}, tables))
-    assert {s.compute_kernel for s in kept.plan["0"].values()} <= set(SYNCED_KERNELS_2D)
+    kept, _ = cuda_plan(constraints_2d({}, tables, 2))
+    assert "fused_uvm" in {s.compute_kernel for s in kept.plan["0"].values()} <= set(SYNCED_KERNELS_2D)
     check_plan_2d(kept, 2)
 
 
@@ -124,17 +125,32 @@ def test_a_given_plan_with_a_dense_sharded_table_is_refused_before_any_step():
     assert strategy._resolve_plan(module, embedding_tables(module)) is dense
 
 
-def test_the_planner_is_kept_to_2d_sharding_types_for_tables_the_user_left_to_it():
+def test_the_2d_planner_is_kept_to_synced_kernels_and_left_its_own_sharding_type_guards():
     tables = embedding_tables(ebc())
     given = {"t0": ParameterConstraints(sharding_types=["row_wise"]), "t1": ParameterConstraints(min_partition=4)}
-    out = constraints_2d(given, tables)
-    assert out["t0"].sharding_types == ["row_wise"]
-    assert out["t1"].sharding_types == list(SHARDING_TYPES_2D) and out["t1"].min_partition == 4
-    assert given["t1"].sharding_types is None and given["t1"].compute_kernels is None  # the user's object is not changed
-    assert out["t2"].sharding_types == out["t3"].sharding_types == list(SHARDING_TYPES_2D)
-    assert out["t0"].compute_kernels == ["fused", "fused_uvm"] and out["t2"].compute_kernels == ["fused", "fused_uvm", "dense"]
-    only_dp = constraints_2d({"t0": ParameterConstraints(sharding_types=["data_parallel"])}, tables)
+    out = constraints_2d(given, tables, 2)
+    assert out["t0"].sharding_types == ["row_wise"] and out["t0"].compute_kernels == ["fused", "fused_uvm"]
+    assert out["t1"].min_partition == 4 and out["t1"].compute_kernels == ["fused", "fused_uvm", "dense"]
+    assert given["t1"].compute_kernels is None  # the user's object is not changed
+    assert out["t1"].sharding_types is out["t2"].sharding_types is None  # TorchRec's planner keeps choosing the type
+    only_dp = constraints_2d({"t0": ParameterConstraints(sharding_types=["data_parallel"])}, tables, 2)
     assert only_dp["t0"].compute_kernels == ["dense"]
+    one_rank_groups = constraints_2d(given, tables, 1)
+    assert one_rank_groups["t2"].sharding_types == ["table_wise", "data_parallel"]
+    assert one_rank_groups["t0"].sharding_types == ["row_wise"]
+
+
+def test_types_that_need_a_host_are_refused_for_groups_of_one_rank_and_a_given_plan_is_told_to_change_itself():
+    with pytest.raises(ValueError, match=r"sharding_type=\['table_row_wise'\], sharding_group_size=1\).*group of one rank"):
+        Trainer(accelerator="cpu", devices=4, strategy=ETTStrategy(sharding_type="table_row_wise", sharding_group_size=1),
+                logger=False)
+    plan = plan_for(1, "table_row_wise")
+    with pytest.raises(ValueError, match=r"table 't\d' is planned table_row_wise.*plan it table_wise"):
+        check_plan_2d(plan, 1, given=True)
+    dense = plan_for(2)
+    dense.plan["0"]["t1"].compute_kernel = "dense"
+    with pytest.raises(ValueError, match=r"Set that table's compute_kernel in your plan to 'fused'"):
+        check_plan_2d(dense, 2, given=True)
 
 
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard"])
@@ -149,7 +165,7 @@ def test_remap_plan_places_every_shard_where_torchrecs_own_remap_does(sharding_t
     local = math.gcd(k, world)
     constraints = {n: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for n in embedding_tables(module)}
     plan = compute_plan(module, Topology(world_size=k, compute_device="cpu", local_world_size=local),
-                        default_sharders("cpu"), constraints, 512)
+                        default_sharders("cpu", two_d=True), constraints, 512)
     before = str(plan)
     placed = set()
     for rank in range(world):
@@ -211,3 +227,17 @@ def test_replica_lr_scale_without_2d_is_refused_and_auto_follows_the_measured_op
     assert replica_lr_factor("auto", "row_wise_adagrad", 4) == 4.0
     assert replica_lr_factor("auto", "sgd", 4) == replica_lr_factor("auto", "adagrad", 4) == 1.0
     assert replica_lr_factor("replicas", "sgd", 3) == 3.0 and replica_lr_factor(0.5, "sgd", 3) == 0.5
+
+
+def test_a_managed_collision_collection_is_refused_in_2d_naming_it():
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+
+    configs = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])]
+    remapper = MCHManagedCollisionModule(zch_size=100, device=torch.device("cpu"), eviction_interval=1,
+                                         eviction_policy=DistanceLFU_EvictionPolicy())
+    module = torch.nn.Sequential(EmbeddingBagCollection(tables=configs), ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=configs), ManagedCollisionCollection({"t0": remapper}, configs)))
+    with pytest.raises(ValueError, match=r"'1' is a managed-collision embedding collection.*sharding_group_size=None"):
+        check_modules_2d(module)
+    check_modules_2d(ebc())  # a plain collection is fine

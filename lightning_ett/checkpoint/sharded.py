@@ -27,7 +27,7 @@ from lightning_ett.checkpoint import dcp_io
 from lightning_ett.checkpoint.layout import commit_checkpoint, read_meta, require_complete
 from lightning_ett.checkpoint.writer import CheckpointWriteError
 from lightning_ett.durable.commit import discard_unfinished, temp_path
-from lightning_ett.durable.errors import explain
+from lightning_ett.durable.errors import ConfigurationError, explain, root_cause
 from lightning_ett.durable.files import remove_path
 
 MODEL_KEY = "state_dict"
@@ -117,5 +117,16 @@ def load_fused(path: str | os.PathLike, fused: Any) -> None:
     if hasattr(fused, "init_state") and not fused.state_dict().get("state"):
         fused.init_state()  # KeyedOptimizer state is lazy: build it, or DCP has no targets to fill
     target = {"fused": fused.state_dict()}
-    dcp_io.load_into(target, Path(path))
+    try:
+        dcp_io.load_into(target, Path(path))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        cause = root_cause(e)
+        if "Size mismatch" not in str(cause):
+            raise
+        raise ConfigurationError(
+            f"The checkpoint {str(path)!r} holds the embedding optimizer's state in another shape than this layout "
+            f"needs ({cause}). Row-wise optimizer state has one value per row per column shard, so a table whose "
+            "column split changed (column_wise / table_column_wise / grid vs row- or table-wise, or another "
+            "min_partition) cannot take it over. Resume with the same sharding type and min_partition for that "
+            "table; 1D, 2D and any sharding_group_size may differ.") from e
     fused.load_state_dict(target["fused"])

@@ -65,6 +65,7 @@ from lightning_ett.strategies.sharders import (
 from lightning_ett.strategies.sparse_2d import (
     SYNCED_KERNELS_2D,
     ShardingGroups,
+    check_modules_2d,
     check_plan_2d,
     constraints_2d,
     node_group_size,
@@ -95,8 +96,8 @@ class ETTStrategy(ParallelStrategy):
     replicas of each table are averaged (weights and row-wise AdaGrad state, as TorchRec's
     ``DMPCollection`` does; see :mod:`lightning_ett.strategies.replica_sync`), and again before
     anything reads the tables as one model — a checkpoint (so a publish), validation, test,
-    predict, the end of fit — if a backward changed them since (micro-batches count: the
-    fused optimizer steps in every backward). Sharded tables are kept to kernels the sync
+    predict, the end of fit — if a training batch ran since (micro-batches count: the
+    fused optimizer steps in every backward, however it is called). Sharded tables are kept to kernels the sync
     reaches (``fused``, ``fused_uvm``); a plan with any other is refused, naming the table.
     The groups' process groups form in the overlapped start-up (``process_group_init``).
 
@@ -226,6 +227,9 @@ class ETTStrategy(ParallelStrategy):
         if self._resolved_for == world_size:
             return
         self._group_size = validate_group_size(self.sharding_group_size, world_size)
+        if self._group_size is None and self.replica_lr_scale != 1.0:
+            rank_zero_warn(f"ETTStrategy(replica_lr_scale={self.replica_lr_scale!r}) has no effect: with "
+                           f"sharding_group_size={self.sharding_group_size} on {world_size} ranks the job is 1D.")
         if self._group_size is not None:
             validate_2d_constraints(self.sharding_type, self.constraints, self._group_size)
         self._resolved_for = world_size
@@ -286,13 +290,16 @@ class ETTStrategy(ParallelStrategy):
                     hook()
 
     def _resolve_plan(self, module: nn.Module, tables: dict[str, Any]) -> ShardingPlan | None:
+        if self._group_size is not None:
+            check_modules_2d(module)
         plan = self._find_plan(module, tables)
         if plan is not None and self._group_size is not None:
-            check_plan_2d(plan, self._group_size)  # whatever its source: planner, cache or the user
+            check_plan_2d(plan, self._group_size, given=self.plan_source == "user")  # planner, cache or the user
         return plan
 
     def _find_plan(self, module: nn.Module, tables: dict[str, Any]) -> ShardingPlan | None:
-        self._sharders = list(self._user_sharders) if self._user_sharders is not None else default_sharders(self.root_device.type)
+        self._sharders = list(self._user_sharders) if self._user_sharders is not None \
+            else default_sharders(self.root_device.type, two_d=self._group_size is not None)
         if not tables:
             self.plan_source = "none"
             return None
@@ -305,7 +312,7 @@ class ETTStrategy(ParallelStrategy):
             return self._user_plan
         topology = self._user_topology or Topology(
             world_size=planned_ranks, compute_device=self.root_device.type,
-            local_world_size=node_group_size(planned_ranks, self.num_processes),
+            local_world_size=node_group_size(planned_ranks, self.num_processes, self.world_size),
         )
         if topology.world_size != planned_ranks:
             raise ConfigurationError(f"ETTStrategy(topology=Topology(world_size={topology.world_size}, ...)): the planner plans "
@@ -323,10 +330,11 @@ class ETTStrategy(ParallelStrategy):
             if self._group_size is None:
                 raise
             raise ConfigurationError(
-                f"ETTStrategy(sharding_group_size={self._group_size}): TorchRec's planner found no plan with the kernels the "
-                f"2D replica sync can average ({', '.join(SYNCED_KERNELS_2D)} for sharded tables; not fused_uvm_caching "
-                "or key-value). Give the planner the real memory (topology=Topology(hbm_cap=..., ddr_cap=...)), a larger "
-                "sharding_group_size, or sharding_group_size=None (1D).") from e
+                f"ETTStrategy(sharding_group_size={self._group_size}): TorchRec's planner found no plan for one group of "
+                f"{self._group_size} ranks ({e}). In 2D it may use only the kernels the replica sync can average "
+                f"({', '.join(SYNCED_KERNELS_2D)} for sharded tables; not fused_uvm_caching or key-value), and the group "
+                f"holds every table. Give the planner the real memory (topology=Topology(world_size={self._group_size}, "
+                "hbm_cap=..., ddr_cap=...)), a larger sharding_group_size, or sharding_group_size=None (1D).") from e
         self.plan_source = "planner"
         if self.plan_cache is not None and self.local_rank == 0:
             self.plan_cache.store(inputs, plan)
@@ -338,7 +346,7 @@ class ETTStrategy(ParallelStrategy):
         if self.sharding_type is not None:
             for name in tables:
                 constraints.setdefault(name, ParameterConstraints(sharding_types=[self.sharding_type]))
-        return constraints_2d(constraints, tables) if self._group_size is not None else constraints
+        return constraints_2d(constraints, tables, self._group_size) if self._group_size is not None else constraints
 
     def _check_ranks_agree_on_plan(self) -> None:
         """One tiny all-gather replaces the plan broadcast: catch ranks whose local plans differ."""
@@ -445,9 +453,12 @@ class ETTStrategy(ParallelStrategy):
         return output
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.replica_sync is not None:
-            self.replica_sync.after_backward()  # the fused optimizer has just moved this replica's rows
+            # The fused optimizer moves this replica's rows in whatever backward this batch runs: Lightning's, a
+            # manual_backward, or a plain loss.backward() under manual optimization (Lightning sees only the first two).
+            self.replica_sync.mark_changed()
+        return super().training_step(*args, **kwargs)
 
     def sync_replicas(self) -> None:
         """2D: average the table replicas now unless no backward changed them since the last average.

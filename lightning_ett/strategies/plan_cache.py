@@ -75,6 +75,7 @@ class PlanInputs:
     batch_size: int
     torchrec_version: str
     sharding_group_size: int | None = None  # 2D: the plan is for one group of this many ranks (None: 1D)
+    memory: tuple[int, ...] = ()  # HBM and DDR per device: they decide which tables go to UVM
 
     @property
     def key(self) -> str:
@@ -106,6 +107,7 @@ def plan_inputs(
         batch_size=batch_size,
         torchrec_version=getattr(torchrec, "__version__", "unknown"),
         sharding_group_size=sharding_group_size,
+        memory=tuple(int(v) for d in topology.devices for v in (d.storage.hbm, d.storage.ddr)),
     )
 
 

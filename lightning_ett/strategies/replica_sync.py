@@ -114,8 +114,8 @@ class ReplicaSync:
         for tensor in self._tensors:
             dist.broadcast(tensor, group_src=0, group=self.replica_group)
 
-    def after_backward(self) -> None:
-        """The fused optimizer updated this replica's rows in that backward (every micro-batch, not every step)."""
+    def mark_changed(self) -> None:
+        """A training batch ran: its backward (every micro-batch, not every step) moved this replica's rows."""
         self.dirty = True
 
     def after_optimizer_step(self, completed_step: int) -> None:
@@ -127,7 +127,7 @@ class ReplicaSync:
         """Average now unless nothing changed since the last average; whether it averaged.
 
         Collective: every rank must call it at the same point. "Changed" is counted in
-        backwards, not global steps: with gradient accumulation the fused optimizer moves the
+        training batches, not global steps: with gradient accumulation the fused optimizer moves the
         replicas apart at every micro-batch, so a save between micro-batches must average too.
         """
         if not self.dirty:

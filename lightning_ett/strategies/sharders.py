@@ -36,22 +36,28 @@ def check_fused_optimizer(name: str, device_type: str) -> None:
 
 
 class CPURowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """TorchRec's EBC sharder, offering row-wise, table-row-wise and grid sharding on CPU too (TorchRec limits them
-    to cuda/mtia; fbgemm's CPU kernels run them, tests/distributed/test_sparse_2d.py trains each)."""
+    """TorchRec's EBC sharder, offering row-wise and table-row-wise sharding on CPU too (TorchRec limits them to
+    cuda/mtia; fbgemm's CPU kernels run them), and with ``grid`` grid sharding (2D only: TorchRec's 1D grid fails on
+    a single host). tests/distributed/test_sparse_2d.py trains each."""
+
+    def __init__(self, grid: bool = False) -> None:
+        super().__init__()
+        self.grid = grid
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = list(super().sharding_types(compute_device_type))
         if compute_device_type == "cpu":
-            extra = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE, ShardingType.GRID_SHARD)
+            extra = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) + ((ShardingType.GRID_SHARD,) if self.grid else ())
             types += [t.value for t in extra if t.value not in types]
         return types
 
 
-def default_sharders(compute_device_type: str) -> list[ModuleSharder[nn.Module]]:
+def default_sharders(compute_device_type: str, two_d: bool = False) -> list[ModuleSharder[nn.Module]]:
     sharders = get_default_sharders()
     if compute_device_type != "cpu":
         return sharders
-    return [CPURowWiseEmbeddingBagCollectionSharder() if type(s) is EmbeddingBagCollectionSharder else s for s in sharders]
+    return [CPURowWiseEmbeddingBagCollectionSharder(grid=two_d) if type(s) is EmbeddingBagCollectionSharder else s
+            for s in sharders]
 
 
 def default_lr(name: str) -> float:

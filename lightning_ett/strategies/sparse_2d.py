@@ -17,7 +17,6 @@ does (with ``cpu`` placements, which that method cannot write). The replica sync
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +57,8 @@ SYNCED_KERNELS_2D: tuple[str, ...] = (EmbeddingComputeKernel.FUSED.value, Embedd
 NEEDS_A_HOST = (ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
 _UNSYNCED_WHY = ("fused_uvm_caching keeps rows in an HBM cache the sync does not see, whose dirty lines later "
                  "overwrite the averaged rows; dense and key-value kernels are never averaged, so replicas drift apart")
+_KERNEL_FIX = ("'fused' (on CUDA also 'fused_uvm': rows in host memory without a cache, for tables larger than "
+               "HBM) for sharded tables, 'dense' for data-parallel ones")
 #: Data-parallel tables: DDP all-reduces their gradients over all N ranks, so they never diverge.
 DATA_PARALLEL_KERNELS_2D: tuple[str, ...] = (EmbeddingComputeKernel.DENSE.value,)
 
@@ -138,37 +139,66 @@ def validate_2d_constraints(sharding_type: str | None, constraints: dict[str, Pa
                 f"ETTStrategy({argument}={bad}, sharding_group_size={size}): TorchRec's 2D sparse parallelism "
                 f"does not support {', '.join(bad)}. Use one of {list(SHARDING_TYPES_2D)}, or "
                 "sharding_group_size=None (1D).")
-    allowed = (*SYNCED_KERNELS_2D, *DATA_PARALLEL_KERNELS_2D)
+        needs_a_host = [t for t in types if t in NEEDS_A_HOST]
+        if size == 1 and needs_a_host:
+            raise ConfigurationError(
+                f"ETTStrategy({argument}={needs_a_host}, sharding_group_size=1): {', '.join(needs_a_host)} splits a "
+                "table over the ranks of a host inside the sharding group, and a group of one rank has none (TorchRec "
+                "fails deep in sharding). Use sharding_group_size >= 2, or table_wise / row_wise.")
     for name, constraint in constraints.items():
-        bad = [k for k in constraint.compute_kernels or [] if k not in allowed]
+        bad = [k for k in constraint.compute_kernels or [] if k not in _safe_kernels(constraint.sharding_types)]
         if bad:
             raise ConfigurationError(
                 f"ETTStrategy(constraints[{name!r}].compute_kernels={bad}, sharding_group_size={size}): the 2D replica "
-                f"sync cannot average table {name!r} with {', '.join(bad)} ({_UNSYNCED_WHY}). Use "
-                f"{list(SYNCED_KERNELS_2D)} ('dense' for data-parallel tables), or sharding_group_size=None (1D).")
+                f"sync cannot average table {name!r} with {', '.join(bad)} ({_UNSYNCED_WHY}). Use {_KERNEL_FIX}, or "
+                "sharding_group_size=None (1D).")
 
 
-def constraints_2d(constraints: dict[str, ParameterConstraints], tables: dict[str, Any]) -> dict[str, ParameterConstraints]:
-    """Keep the planner to 2D-capable sharding types and to kernels the replica sync reaches, for what the user left to it.
+def constraints_2d(constraints: dict[str, ParameterConstraints], tables: dict[str, Any],
+                   size: int) -> dict[str, ParameterConstraints]:
+    """Keep the planner to kernels the replica sync reaches, for every table whose kernels the user left to it.
 
-    Kernels the user named are kept as given: :func:`check_plan_2d` refuses the plan if one of them is unsafe.
+    Sharding types stay the user's or TorchRec's choice (naming them all would switch off the planner's own guards,
+    e.g. no row-wise types for feature-processed collections unless asked), except in groups of one rank, where
+    only table-wise and data-parallel make sense. Kernels the user named are kept as given:
+    :func:`validate_2d_constraints` and :func:`check_plan_2d` refuse unsafe ones.
     """
     out = dict(constraints)
     for name in tables:
         constraint = copy.copy(out.get(name) or ParameterConstraints())
-        if not constraint.sharding_types:
-            constraint.sharding_types = list(SHARDING_TYPES_2D)
+        if size == 1 and not constraint.sharding_types:
+            constraint.sharding_types = [ShardingType.TABLE_WISE.value, ShardingType.DATA_PARALLEL.value]
         if not constraint.compute_kernels:
-            data_parallel = ShardingType.DATA_PARALLEL.value in constraint.sharding_types
-            sharded = any(t != ShardingType.DATA_PARALLEL.value for t in constraint.sharding_types)
-            constraint.compute_kernels = ([*SYNCED_KERNELS_2D] if sharded else []) + \
-                                         ([*DATA_PARALLEL_KERNELS_2D] if data_parallel else [])
+            constraint.compute_kernels = list(_safe_kernels(constraint.sharding_types))
         out[name] = constraint
     return out
 
 
-def check_plan_2d(plan: ShardingPlan, size: int) -> None:
-    """Refuse, before the first step, a plan with a table the 2D replica sync would leave diverged or cannot shard."""
+def _safe_kernels(types: list[str] | None) -> tuple[str, ...]:
+    """The kernels the replica sync reaches for a table that may be sharded as ``types`` (``None``: any)."""
+    types = types or list(SHARDING_TYPES_2D)
+    return (*(SYNCED_KERNELS_2D if any(t != ShardingType.DATA_PARALLEL.value for t in types) else ()),
+            *(DATA_PARALLEL_KERNELS_2D if ShardingType.DATA_PARALLEL.value in types else ()))
+
+
+def check_modules_2d(module: nn.Module) -> None:
+    """Refuse what the replica sync cannot keep equal: managed-collision modules (their id-to-slot maps differ
+    between replicas; TorchRec's 2D sync handles only its hash-ZCH variant, on CUDA)."""
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    found = [name for name, sub in module.named_modules() if isinstance(sub, BaseManagedCollisionEmbeddingCollection)]
+    if found:
+        raise ConfigurationError(
+            f"ETTStrategy(sharding_group_size=...): {found[0]!r} is a managed-collision embedding collection, whose "
+            "id-to-slot mapping the 2D replica sync does not average (replicas would average rows of different ids). "
+            "Use sharding_group_size=None (1D) for this model.")
+
+
+def check_plan_2d(plan: ShardingPlan, size: int, given: bool = False) -> None:
+    """Refuse, before the first step, a plan with a table the 2D replica sync would leave diverged or cannot shard.
+
+    ``given``: the user passed the plan (the fix is then in the plan, not in ``constraints``).
+    """
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():  # type: ignore[union-attr]
             kind, kernel = sharding.sharding_type, sharding.compute_kernel
@@ -181,20 +211,35 @@ def check_plan_2d(plan: ShardingPlan, size: int) -> None:
                 raise ConfigurationError(
                     f"ETTStrategy(sharding_group_size=1): table {table!r} is planned {kind}, which splits a table over "
                     "the ranks of a host inside the sharding group; a group of 1 rank has none (TorchRec fails deep in "
-                    "sharding). Use sharding_group_size >= 2, or shard it table_wise / row_wise.")
+                    "sharding). Use sharding_group_size >= 2, or "
+                    + ("plan it table_wise." if given else
+                       f"constraints={{{table!r}: ParameterConstraints(sharding_types=['table_wise'])}}."))
+            holders = set(sharding.ranks or [])
+            if kind == ShardingType.TABLE_COLUMN_WISE.value and holders != set(range(size)):
+                raise ConfigurationError(
+                    f"ETTStrategy(sharding_group_size={size}): table {table!r} is planned table_column_wise on "
+                    f"{len(holders)} of the group's {size} ranks; TorchRec's 2D sharding cannot build it on a rank that "
+                    "holds none of it (its global-shape helper has no table-column-wise case). Split it into a multiple "
+                    f"of {size} column shards (constraints={{{table!r}: ParameterConstraints(min_partition=<dim / "
+                    f"{size}>)}}), or shard it column_wise.")
             allowed = DATA_PARALLEL_KERNELS_2D if kind == ShardingType.DATA_PARALLEL.value else SYNCED_KERNELS_2D
             if kernel not in allowed:
                 raise ConfigurationError(
                     f"ETTStrategy(sharding_group_size={size}): table {table!r} is planned {kind} with compute kernel "
-                    f"{kernel!r}, which the 2D replica sync cannot average ({_UNSYNCED_WHY}). Pass "
-                    f"constraints={{{table!r}: ParameterConstraints(compute_kernels="
-                    f"{list(allowed)})}} (for a table too large for HBM: 'fused_uvm', rows in host memory without a "
-                    "cache), or sharding_group_size=None (1D).")
+                    f"{kernel!r}, which the 2D replica sync cannot average ({_UNSYNCED_WHY}). "
+                    + (f"Set that table's compute_kernel in your plan to {_KERNEL_FIX}" if given else
+                       f"Pass constraints={{{table!r}: ParameterConstraints(compute_kernels=[...])}} with {_KERNEL_FIX}")
+                    + ", or sharding_group_size=None (1D).")
 
 
-def node_group_size(size: int, local_world_size: int) -> int:
-    """The "host" inside a sharding group, for table-row-wise and grid sharding: it must divide K."""
-    return math.gcd(size, local_world_size)
+def node_group_size(size: int, local_world_size: int, world_size: int) -> int:
+    """How many ranks of one sharding group share a host: table-row-wise and grid's "host" inside the group.
+
+    Groups are strided ({g, g + N/K, ...}), so a host of L ranks holds K·L/N of each group's K ranks (all K on
+    one host; fewer as N grows). It must divide K; where it is not a whole divisor, 1.
+    """
+    per_host, rest = divmod(size * local_world_size, world_size)
+    return per_host if per_host >= 1 and not rest and size % per_host == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -214,7 +259,7 @@ class ShardingGroups:
         step = world_size // size
         peers = [[step * r + group for r in range(size)] for group in range(step)]
         mesh = DeviceMesh(device_type, peers, mesh_dim_names=("replicate", "shard"))
-        return cls(size, world_size, rank, node_group_size(size, local_world_size), mesh)
+        return cls(size, world_size, rank, node_group_size(size, local_world_size, world_size), mesh)
 
     @property
     def num_replicas(self) -> int:

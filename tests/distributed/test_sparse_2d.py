@@ -230,9 +230,9 @@ def test_model_publisher_in_2d_publishes_each_table_once_whole_and_it_loads_into
 TYPES = {"row_wise": {}, "column_wise": {"min_partition": 4}, "table_column_wise": {"min_partition": 4},
          "table_row_wise": {}, "grid_shard": {"min_partition": 4}, "data_parallel": {}}
 TYPE_STEPS = 30
-#: validation every 10 batches = 5 optimizer steps at accumulation 2; syncs every 4 steps; a save after batch 4
-#: (the first micro-batch of step 3).
-ACC_VAL = {"k": 2, "interval": 4, "accumulate": 2, "val_every": 10, "save_mid_at": 4, "steps": 12}
+#: validation every 10 batches = 5 optimizer steps at accumulation 2; syncs every 4 steps; a save after batch 8
+#: (the first micro-batch after the sync at step 4: a sync keyed on the global step would be skipped there).
+ACC_VAL = {"k": 2, "interval": 4, "accumulate": 2, "val_every": 10, "save_mid_at": 8, "steps": 12}
 
 
 def type_fits() -> list[dict]:
@@ -251,6 +251,13 @@ def type_fits() -> list[dict]:
     # Row-wise 2D resumed table-wise 1D: the row-wise state of both is [rows] per table.
     fits.append({"name": "row_wise-2d-to-table_wise-1d", "sharding_type": "table_wise", "k": None,
                  "steps": TYPE_STEPS + 2, "resume": "row_wise-2d"})
+    # Refused, naming the table: row-wise state resumed column-split; a table-column-wise table on 1 of K ranks.
+    fits += [{"name": "row_wise-2d-to-column_wise-1d", "sharding_type": "column_wise", "min_partition": 4, "k": None,
+              "steps": TYPE_STEPS + 2, "resume": "row_wise-2d", "expect_error": True},
+             {"name": "twcw-one-shard", "sharding_type": "table_column_wise", "min_partition": 8, "k": 2, "steps": 2,
+              "expect_error": True}]
+    fits.append({"name": "manual", "sharding_type": "row_wise", "k": 2, "interval": 1, "steps": 4, "manual": True,
+                 "digests": True})
     fits.append({"name": "lr-auto", "sharding_type": "row_wise", "k": 2, "steps": 2, "lr_scale": "auto"})
     # Preempted between micro-batches: Lightning's per-batch SIGTERM check (NCCL's), AsyncCheckpoint's save on the way out.
     fits.append({"name": "sigterm", "sharding_type": "row_wise", "k": 2, "interval": 1, "accumulate": 2, "sigterm_at": 6,
@@ -371,3 +378,19 @@ def test_replica_lr_scale_auto_multiplies_the_row_wise_adagrad_learning_rate_by_
     assert load(type_runs, "lr-auto")[0]["table_lr"] == [pytest.approx(0.05 * 2)]  # 2 replicas
     assert load(type_runs, "row_wise-2d")[0]["table_lr"] == load(type_runs, "row_wise-1d")[0]["table_lr"] == \
         [pytest.approx(0.05)]
+
+
+def test_layouts_that_cannot_take_a_checkpoint_or_be_built_in_2d_are_refused_naming_what_to_change(type_runs):
+    for rank in load(type_runs, "row_wise-2d-to-column_wise-1d"):
+        assert "holds the embedding optimizer's state in another shape" in rank["error"]
+        assert "momentum1" in rank["error"] and "same sharding type and min_partition" in rank["error"]
+    for rank in load(type_runs, "twcw-one-shard"):
+        assert re.search(r"table 't_cat_\d+' is planned table_column_wise on 1 of the group's 2 ranks.*min_partition",
+                         rank["error"]), rank["error"]
+
+
+def test_under_manual_optimization_with_a_plain_backward_the_replicas_are_still_averaged(type_runs):
+    ranks = load(type_runs, "manual")
+    assert ranks[0]["replica_syncs"] == 4 and [s for s, _ in ranks[0]["digests"]] == [1, 2, 3, 4]
+    for a, b in REPLICAS:  # synced after every step (interval 1), though Lightning never saw the backward
+        assert ranks[a]["digests"] == ranks[b]["digests"]

@@ -7,7 +7,9 @@ Several fits run one after the other in the same 4 processes (one process group,
 ``"sigterm_at"`` (rank 0 SIGTERMs itself in that micro-batch, stopped by Lightning's per-batch check as on NCCL;
 AsyncCheckpoint saves on the way out), ``"val_every"`` (validation every that many batches, recording each rank's
 table digest as validation sees it), ``"lr"``, ``"lr_scale"`` (``replica_lr_scale``), ``"init_seed"`` (the model's
-initialization) and ``"data_seed"`` (benchmarks/sparse_2d_lr.py varies both).
+initialization) and ``"data_seed"`` (benchmarks/sparse_2d_lr.py varies both); with
+``"expect_error"`` a ConfigurationError is recorded, not raised; ``"manual"``: manual optimization with a plain
+``loss.backward()``.
 Batches are made from (global step, micro-batch, rank) and learnable (the label depends on a dense feature
 and on the parity of the first id), so a resumed fit sees the data an uninterrupted one saw.
 Each fit writes OUT/<name>/rank<r>.pt: losses, the held-out loss, every tensor this rank holds
@@ -42,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from examples.dlrm_example import DLRMModule
 from lightning_ett import AsyncCheckpoint, ETTMonitor, ETTStrategy, ModelPublisher
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.strategies import sigterm
 from lightning_ett.strategies.replica_sync import table_kernels
 
@@ -88,6 +91,11 @@ class StepBatchDLRM(DLRMModule):
         micro = batch_idx % self.trainer.accumulate_grad_batches
         loss = super().training_step(make_batch(self.global_step, self.global_rank, micro), batch_idx)
         self.losses.append(float(loss.detach()))
+        if not self.automatic_optimization:  # a plain backward, which Lightning does not see
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
         return loss
 
     def validation_step(self, _batch: Any, batch_idx: int) -> None:
@@ -193,7 +201,7 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int, launcher: dict[str, A
     if spec.get("sigterm_at") is not None:  # only the save on the way out
         callbacks.append(AsyncCheckpoint(out / spec["name"] / "async", every_n_train_steps=10_000))
         # Lightning's own check, every batch (as on NCCL), instead of ETTStrategy's every 8th on gloo:
-        # the stop then falls between micro-batches.
+        # the stop then falls between micro-batches. (Restored after this fit.)
         sigterm.DeferredSigtermBroadcast.__init__.__defaults__ = (1,)
     val_every = spec.get("val_every")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=spec["steps"], logger=False,
@@ -205,11 +213,20 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int, launcher: dict[str, A
     model.kill_at, model.sigterm_at = spec.get("kill_at"), spec.get("sigterm_at")
     resume = str(out / spec["resume"] / "ckpt") if spec.get("resume") else None
     loader = DataLoader(Steps(), batch_size=None)
+    model.automatic_optimization = not spec.get("manual")
     try:
         trainer.fit(model, loader, val_dataloaders=DataLoader(Steps(), batch_size=None) if val_every else None,
                     ckpt_path=resume)
     except SIGTERMException:
         pass  # the facts below record where it stopped
+    except ConfigurationError as e:  # refused: every rank raises it, before or at the restore
+        if not spec.get("expect_error"):
+            raise
+        (out / spec["name"]).mkdir(parents=True, exist_ok=True)
+        torch.save({"error": str(e)}, out / spec["name"] / f"rank{trainer.global_rank}.pt")
+        return
+    finally:
+        sigterm.DeferredSigtermBroadcast.__init__.__defaults__ = (8,)
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["name"] / "ckpt")
     facts = {
