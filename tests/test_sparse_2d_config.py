@@ -153,7 +153,8 @@ def test_types_that_need_a_host_are_refused_for_groups_of_one_rank_and_a_given_p
         check_plan_2d(dense, 2, given=True)
 
 
-@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard"])
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "column_wise", "table_column_wise", "table_row_wise",
+                                           "grid_shard", "data_parallel"])
 @pytest.mark.parametrize(("world", "k"), [(4, 2), (4, 1), (8, 2), (8, 4)])
 def test_remap_plan_places_every_shard_where_torchrecs_own_remap_does(sharding_type, world, k, monkeypatch):
     """``remap_plan`` against ``DMPCollection._remap_sharding_plan`` itself, on plans from the real planner."""
@@ -176,10 +177,11 @@ def test_remap_plan_places_every_shard_where_torchrecs_own_remap_does(sharding_t
         for table, sharding in ours.plan["0"].items():
             expected = theirs.plan["0"][table]
             assert sharding.ranks == expected.ranks, (rank, table)
-            shards = [(s.shard_offsets, s.shard_sizes, s.placement.rank(), s.placement.device().type)
-                      for s in sharding.sharding_spec.shards]
-            assert shards == [(s.shard_offsets, s.shard_sizes, s.placement.rank(), s.placement.device().type)
-                              for s in expected.sharding_spec.shards], (rank, table)
+            def shards(spec):  # type: ignore[no-untyped-def]  # (data-parallel tables have none)
+                return [(s.shard_offsets, s.shard_sizes, s.placement.rank(), s.placement.device().type)
+                        for s in (spec.shards if spec is not None else [])]
+
+            assert shards(sharding.sharding_spec) == shards(expected.sharding_spec), (rank, table)
             placed.update(sharding.ranks)
     assert placed == set(range(world))  # every rank holds shards of some replica
     assert str(plan) == before  # the group plan (cached, shared) is not touched

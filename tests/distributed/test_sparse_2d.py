@@ -256,6 +256,10 @@ def type_fits() -> list[dict]:
               "steps": TYPE_STEPS + 2, "resume": "row_wise-2d", "expect_error": True},
              {"name": "twcw-one-shard", "sharding_type": "table_column_wise", "min_partition": 8, "k": 2, "steps": 2,
               "expect_error": True}]
+    # The acceptance case: row-wise, K = 2, accumulation 2, a checkpoint taken between micro-batches,
+    # resumed on 1D.
+    fits.append({"name": "row_wise-acc-to-1d", "sharding_type": "row_wise", "k": None, "accumulate": 2, "steps": 14,
+                 "resume_dir": "row_wise-acc-val/mid"})
     fits.append({"name": "manual", "sharding_type": "row_wise", "k": 2, "interval": 1, "steps": 4, "manual": True,
                  "digests": True})
     fits.append({"name": "lr-auto", "sharding_type": "row_wise", "k": 2, "steps": 2, "lr_scale": "auto"})
@@ -394,3 +398,10 @@ def test_under_manual_optimization_with_a_plain_backward_the_replicas_are_still_
     assert ranks[0]["replica_syncs"] == 4 and [s for s, _ in ranks[0]["digests"]] == [1, 2, 3, 4]
     for a, b in REPLICAS:  # synced after every step (interval 1), though Lightning never saw the backward
         assert ranks[a]["digests"] == ranks[b]["digests"]
+
+
+def test_a_row_wise_2d_checkpoint_taken_between_micro_batches_resumes_exactly_on_1d(type_runs):
+    whole = _whole(type_runs / "row_wise-acc-val" / "mid")
+    compared = sum(assert_state_equals_checkpoint(rank["start"], whole, "row_wise-acc-to-1d")
+                   for rank in load(type_runs, "row_wise-acc-to-1d"))
+    assert compared >= 40

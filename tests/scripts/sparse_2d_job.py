@@ -212,6 +212,8 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int, launcher: dict[str, A
     model = StepBatchDLRM()
     model.kill_at, model.sigterm_at = spec.get("kill_at"), spec.get("sigterm_at")
     resume = str(out / spec["resume"] / "ckpt") if spec.get("resume") else None
+    if spec.get("resume_dir"):  # a checkpoint elsewhere under OUT (a mid-accumulation save)
+        resume = str(out / spec["resume_dir"])
     loader = DataLoader(Steps(), batch_size=None)
     model.automatic_optimization = not spec.get("manual")
     try:
