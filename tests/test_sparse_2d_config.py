@@ -243,3 +243,13 @@ def test_a_managed_collision_collection_is_refused_in_2d_naming_it():
     with pytest.raises(ValueError, match=r"'1' is a managed-collision embedding collection.*sharding_group_size=None"):
         check_modules_2d(module)
     check_modules_2d(ebc())  # a plain collection is fine
+
+
+def test_a_2d_plan_the_planner_cannot_find_is_explained_with_the_topology_to_pass():
+    strategy = ETTStrategy(sharding_group_size=2, topology=Topology(world_size=2, compute_device="cpu", local_world_size=2,
+                                                                    hbm_cap=2**10, ddr_cap=2**10))
+    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    module = ebc()
+    with pytest.raises(ValueError, match=r"(?s)sharding_group_size=2\): TorchRec's planner found no plan for one group of 2 "
+                                         r"ranks.*topology=Topology\(world_size=2, hbm_cap=\.\.\., ddr_cap=\.\.\.\)"):
+        strategy._resolve_plan(module, embedding_tables(module))
