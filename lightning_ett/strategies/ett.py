@@ -461,7 +461,7 @@ class ETTStrategy(ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     def sync_replicas(self) -> None:
-        """2D: average the table replicas now unless no backward changed them since the last average.
+        """2D: average the table replicas now unless no training batch ran since the last average.
 
         Collective on every rank. Called before anything reads the tables as one model: a
         checkpoint (and so a publish), validation, test, predict and the end of fit.

@@ -99,7 +99,7 @@ class ReplicaSync:
         self.every_n_steps = every_n_steps
         self.bucket_bytes = bucket_bytes
         self._tensors = sync_tensors(model)
-        self.dirty = False  # a backward has changed the replicas since they were last averaged
+        self.dirty = False  # a training batch has moved the replicas apart since they were last averaged
         self.syncs = 0
         self.seconds = 0.0  # time spent averaging, summed over syncs
 
@@ -123,15 +123,15 @@ class ReplicaSync:
         if completed_step % self.every_n_steps == 0:
             self.sync()
 
-    def sync(self) -> bool:
-        """Average now unless nothing changed since the last average; whether it averaged.
+    def sync(self) -> None:
+        """Average now unless nothing changed since the last average.
 
         Collective: every rank must call it at the same point. "Changed" is counted in
         training batches, not global steps: with gradient accumulation the fused optimizer moves the
         replicas apart at every micro-batch, so a save between micro-batches must average too.
         """
         if not self.dirty:
-            return False
+            return
         start = time.perf_counter()
         if isinstance(self.model, DMPCollection):
             self.model.sync(include_optimizer_state=True)
@@ -140,7 +140,6 @@ class ReplicaSync:
         self.seconds += time.perf_counter() - start
         self.syncs += 1
         self.dirty = False
-        return True
 
     @torch.no_grad()
     def _sum_then_divide(self) -> None:

@@ -141,10 +141,8 @@ def validate_2d_constraints(sharding_type: str | None, constraints: dict[str, Pa
                 "sharding_group_size=None (1D).")
         needs_a_host = [t for t in types if t in NEEDS_A_HOST]
         if size == 1 and needs_a_host:
-            raise ConfigurationError(
-                f"ETTStrategy({argument}={needs_a_host}, sharding_group_size=1): {', '.join(needs_a_host)} splits a "
-                "table over the ranks of a host inside the sharding group, and a group of one rank has none (TorchRec "
-                "fails deep in sharding). Use sharding_group_size >= 2, or table_wise / row_wise.")
+            raise _one_rank_group_error(f"ETTStrategy({argument}={needs_a_host}, sharding_group_size=1): "
+                                        f"{', '.join(needs_a_host)}", "table_wise / row_wise")
     for name, constraint in constraints.items():
         bad = [k for k in constraint.compute_kernels or [] if k not in _safe_kernels(constraint.sharding_types)]
         if bad:
@@ -181,6 +179,13 @@ def _safe_kernels(types: list[str] | None) -> tuple[str, ...]:
             *(DATA_PARALLEL_KERNELS_2D if ShardingType.DATA_PARALLEL.value in types else ()))
 
 
+def _one_rank_group_error(what: str, fix: str) -> ConfigurationError:
+    """Table-row-wise or grid (``what`` names it) asked of a group of one rank; ``fix``: the user's way out."""
+    return ConfigurationError(f"{what} splits a table over the ranks of a host inside the sharding group, and a group "
+                              f"of one rank has none (TorchRec fails deep in sharding). Use sharding_group_size >= 2, "
+                              f"or {fix}.")
+
+
 def check_modules_2d(module: nn.Module) -> None:
     """Refuse what the replica sync cannot keep equal: managed-collision modules (their id-to-slot maps differ
     between replicas; TorchRec's 2D sync handles only its hash-ZCH variant, on CUDA)."""
@@ -208,12 +213,10 @@ def check_plan_2d(plan: ShardingPlan, size: int, given: bool = False) -> None:
                     f"2D sparse parallelism does not support. Constrain it to one of {list(SHARDING_TYPES_2D)} "
                     f"(constraints={{{table!r}: ParameterConstraints(sharding_types=[...])}}), or use sharding_group_size=None.")
             if size == 1 and kind in NEEDS_A_HOST:
-                raise ConfigurationError(
-                    f"ETTStrategy(sharding_group_size=1): table {table!r} is planned {kind}, which splits a table over "
-                    "the ranks of a host inside the sharding group; a group of 1 rank has none (TorchRec fails deep in "
-                    "sharding). Use sharding_group_size >= 2, or "
-                    + ("plan it table_wise." if given else
-                       f"constraints={{{table!r}: ParameterConstraints(sharding_types=['table_wise'])}}."))
+                raise _one_rank_group_error(
+                    f"ETTStrategy(sharding_group_size=1): table {table!r} is planned {kind}, which",
+                    "plan it table_wise" if given else
+                    f"constraints={{{table!r}: ParameterConstraints(sharding_types=['table_wise'])}}")
             holders = set(sharding.ranks or [])
             if kind == ShardingType.TABLE_COLUMN_WISE.value and holders != set(range(size)):
                 raise ConfigurationError(
