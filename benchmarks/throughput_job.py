@@ -1,21 +1,26 @@
 """One throughput measurement on 2 gloo ranks: ETTStrategy under Lightning, or a hand-written TorchRec loop.
 
-All arms use the example's DLRM, data (RandomRecDataset, seed = rank), table-wise sharding,
-row-wise Adagrad fused into backward for the tables and Adagrad for the dense part:
+All arms use the example's DLRM, data (RandomRecDataset, seed = rank, through a DataLoader),
+table-wise sharding, row-wise Adagrad fused into backward for the tables and Adagrad for the dense part:
 
-* ``lightning``: ETTStrategy under ``Trainer.fit``;
+* ``lightning``: ETTStrategy under ``Trainer.fit`` (its default: the sparse input distribution
+  pipelined), with what users keep: the example's ``training_step`` (``self.log`` of the loss) and
+  ETTMonitor;
+* ``lightning_plain``: the same with ``ETTStrategy(pipeline=False)``;
 * ``dmp``: the plain loop over a DistributedModelParallel (``next(batch)``, forward, backward, step);
 * ``pipeline``: TorchRec's ``TrainPipelineSparseDist`` over the same DMP (``DLRMTrain`` computes the
   loss), the loop TorchRec users run: it starts the next batch's input distribution while the
-  current batch trains.
+  current batch trains;
 
-Rank 0 writes the median steady-state step time to OUT.
+Rank 0 writes the time per step to OUT: the total time over the steps after the warm-up divided by
+their number (so periodic costs count), and the median step for reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -32,8 +37,11 @@ from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 LR = 0.05
 
 
-def median_step(stamps: list[float], warmup: int) -> float:
-    return statistics.median(b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :]))
+def step_times(stamps: list[float], warmup: int) -> dict[str, float]:
+    """Total time over the steps after ``warmup`` / their number, and the median step."""
+    timed = stamps[warmup:]
+    return {"step_s": (timed[-1] - timed[0]) / (len(timed) - 1),
+            "median_step_s": statistics.median(b - a for a, b in itertools.pairwise(timed))}
 
 
 class Profiler:
@@ -55,10 +63,12 @@ class Profiler:
             self.profile.dump_stats(str(self.out))
 
 
-def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None) -> None:
+def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None, pipeline: bool = True) -> None:
+    import tempfile
+
     from lightning.pytorch import Callback, Trainer
 
-    from lightning_ett import ETTStrategy
+    from lightning_ett import ETTMonitor, ETTStrategy
 
     profiler = Profiler(profile)
 
@@ -74,22 +84,20 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
             if trainer.global_rank == 0:
                 profiler.stop()
 
-    class Unlogged(DLRMModule):
-        """The example's step minus `self.log`: the hand-written loop logs nothing either."""
-
-        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-            return self.loss(self(batch), batch.labels.float())
-
     clock = StepClock()
-    strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": LR})
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False, callbacks=[clock],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(Unlogged(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
+    strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": LR},
+                           pipeline=pipeline)
+    with tempfile.TemporaryDirectory() as run_dir:
+        monitor = ETTMonitor(run_dir=run_dir, report_on_end=False)
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                          callbacks=[clock, monitor], enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(DLRMModule(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
     if trainer.global_rank == 0:
-        out.write_text(json.dumps({"step_s": median_step(clock.stamps, warmup)}))
+        out.write_text(json.dumps(step_times(clock.stamps, warmup)))
 
 
-def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelined: bool, profile: Path | None) -> None:
+def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: str, profile: Path | None) -> None:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -105,7 +113,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelin
     torch.manual_seed(0)
     model = DLRMModule(learning_rate=LR).model
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR})
-    if pipelined:
+    if loop != "dmp":
         from torchrec.models.dlrm import DLRMTrain
 
         model = DLRMTrain(model)  # forward(batch) -> (loss, outputs), as TrainPipelineSparseDist expects
@@ -124,7 +132,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelin
         if len(stamps) == warmup:
             profiler.start()
 
-    if pipelined:
+    if loop != "dmp":
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"), execute_all_batches=True)
@@ -145,27 +153,28 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, pipelin
             stamp()
     profiler.stop()
     if rank == 0:
-        out.write_text(json.dumps({"step_s": median_step(stamps, warmup)}))
+        out.write_text(json.dumps(step_times(stamps, warmup)))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["lightning", "dmp", "pipeline"], required=True)
+    p.add_argument("--mode", choices=["lightning", "lightning_plain", "dmp", "pipeline"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--profile", default=None, help="rank 0 writes a cProfile of the steps after the warm-up here")
     args = p.parse_args()
-    if args.mode == "lightning":
-        lightning_run(args.steps, args.warmup, Path(args.out), Path(args.profile) if args.profile else None)
+    if args.mode.startswith("lightning"):
+        lightning_run(args.steps, args.warmup, Path(args.out), Path(args.profile) if args.profile else None,
+                      pipeline=args.mode == "lightning")
     else:
         import torch.multiprocessing as mp
         from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
         profile = Path(args.profile) if args.profile else None
-        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode == "pipeline",
+        mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode,
                                    profile), nprocs=2)
 
 

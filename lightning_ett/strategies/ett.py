@@ -41,6 +41,7 @@ from lightning_ett.instrument.background import BackgroundTask
 from lightning_ett.instrument.timeline import SPARSE_2D_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
+from lightning_ett.strategies.input_pipeline import NOTHING, SparseInputPipeline
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
@@ -125,6 +126,9 @@ class ETTStrategy(ParallelStrategy):
             ``"replicas"`` (R = N/K) or ``"auto"`` (R for ``row_wise_adagrad``, whose 2D curve then
             follows 1D's; 1 for ``sgd``, which 2D already trains as 1D; 1 for ``adagrad``, not
             measured). Default 1: TorchRec's semantics. See README, "Learning rate".
+        pipeline: start the next training batch's sparse input distribution (its KJT all-to-all) while
+            this batch trains, as TorchRec's ``TrainPipelineSparseDist`` does (see
+            :mod:`lightning_ett.strategies.input_pipeline`); ``False`` keeps the plain schedule.
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class ETTStrategy(ParallelStrategy):
         sharding_group_size: int | None = None,
         replica_sync_every_n_steps: int = 1,
         replica_lr_scale: float | str = 1.0,
+        pipeline: bool = True,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         validate_2d_arguments(sharding_group_size, replica_sync_every_n_steps, fused_optimizer, replica_lr_scale)
@@ -158,6 +163,8 @@ class ETTStrategy(ParallelStrategy):
         if fused_optimizer not in FUSED_OPTIMIZERS:
             raise ConfigurationError(
                 f"ETTStrategy(fused_optimizer={fused_optimizer!r}): expected one of {sorted(FUSED_OPTIMIZERS)}.")
+        if not isinstance(pipeline, bool):
+            raise ConfigurationError(f"ETTStrategy(pipeline={pipeline!r}): expected True or False.")
         if not isinstance(planner_batch_size, int) or planner_batch_size < 1:
             raise ConfigurationError(f"ETTStrategy(planner_batch_size={planner_batch_size!r}): expected an int >= 1.")
         self.sharding_type = sharding_type
@@ -186,6 +193,8 @@ class ETTStrategy(ParallelStrategy):
         self._resolved_for: int | None = None  # the world size _group_size was checked against
         self._groups: ShardingGroups | None = None
         self.replica_sync: ReplicaSync | None = None
+        self.pipeline = pipeline
+        self.input_pipeline: SparseInputPipeline | None = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -453,12 +462,32 @@ class ETTStrategy(ParallelStrategy):
         return output
 
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self.input_pipeline is not None:
+            prepared = self.input_pipeline.take(batch)  # moved to the device a step ahead, ids in flight
+            if prepared is not NOTHING:
+                return prepared
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.replica_sync is not None:
             # The fused optimizer moves this replica's rows in whatever backward this batch runs: Lightning's, a
             # manual_backward, or a plain loss.backward() under manual optimization (Lightning sees only the first two).
             self.replica_sync.mark_changed()
-        return super().training_step(*args, **kwargs)
+        if self.input_pipeline is None or not self.input_pipeline.active:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        batch = args[0] if args else kwargs.get("batch")
+        self.input_pipeline.before_step(self.lightning_module.trainer, batch)
+        output = super().training_step(*args, **kwargs)
+        self.input_pipeline.after_step(batch)
+        return output
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self.input_pipeline is not None:
+            self.input_pipeline.before_backward()  # the next batch's ids travel during this backward
 
     def sync_replicas(self) -> None:
         """2D: average the table replicas now unless no training batch ran since the last average.
@@ -587,9 +616,19 @@ class ETTStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         # Lightning has registered its signal handlers by now.
         self._sigterm = sigterm.install(self.lightning_module.trainer, self._patches)  # no collective + .item() per step
+        if self.pipeline and self._dmp is not None:
+            self.input_pipeline = SparseInputPipeline(self._dmp, self.root_device)
+            self.input_pipeline.attach(self.lightning_module.trainer)
+
+    def _detach_pipeline(self) -> None:
+        """Wait for the input distribution in flight (a batch prepared past the last step) and put the modules'
+        forwards back, for whatever runs after fit."""
+        if self.input_pipeline is not None:
+            self.input_pipeline.detach()  # kept: its counts describe the fit that ended
 
     @override
     def on_train_end(self) -> None:
+        self._detach_pipeline()
         self.sync_replicas()  # 2D: what fit leaves behind (eval, predict, a final save) is one model
         if self.replica_sync is not None and self._groups is not None and self.is_global_zero:
             sync = self.replica_sync
@@ -604,6 +643,8 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self.input_pipeline is not None:  # no waiting on peers that may be gone: only the forwards go back
+            self.input_pipeline.release()
         if self._sigterm is not None:
             self._sigterm.flush()
         self._patches.undo()

@@ -1,0 +1,175 @@
+"""The example DLRM fed by a real data loader, pipelined and not, for tests/distributed/test_input_pipeline.py.
+
+Several fits run one after the other in the same processes: ``--fits`` is a JSON list of
+``{"name", "pipeline", "steps"}`` and optionally ``"k"`` (2D group size), ``"accumulate"``,
+``"val_every"`` (validation every that many batches, 2 batches), ``"manual"`` (manual optimization with
+``manual_backward``), ``"finite"`` (a sized, map-style loader of that many samples per rank in batches of
+16, so the last batch of each epoch is short; ``"epochs"`` of it), ``"save_at"`` (``trainer.save_checkpoint``
+after that batch), ``"resume"`` (the fit whose save to resume from) and ``"sharding_type"``.
+
+The unsized loader is stateful: its state is the number of batches the loop has processed, so a fit
+resumed from a checkpoint reads the batches an uninterrupted one read after that point. Each fit writes
+OUT/<name>/rank<r>.pt: losses, every tensor this rank holds at the end, and the pipeline's counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparse_2d_job import held_state
+
+from examples.dlrm_example import DLRMModule
+from lightning_ett import ETTStrategy
+
+ROWS, DIM, BATCH = 500, 8, 32
+
+
+def make_rows(keys: list[int], rank: int) -> Batch:
+    """One batch whose sample j is drawn from (key j, rank) alone, so any split of keys into batches is reproducible."""
+    dense, ids = [], []
+    for key in keys:
+        g = torch.Generator().manual_seed(7919 * key + rank)
+        dense.append(torch.randn(len(DEFAULT_INT_NAMES), generator=g))
+        ids.append(torch.randint(0, ROWS, (len(DEFAULT_CAT_NAMES),), generator=g))
+    dense_t, ids_t = torch.stack(dense), torch.stack(ids).t()  # ids: feature-major, as a KJT holds them
+    labels = ((dense_t[:, 0] + (ids_t[0] % 2).float() * 2 - 1) > 0).long()
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=DEFAULT_CAT_NAMES, values=ids_t.reshape(-1),
+                                              lengths=torch.ones(len(DEFAULT_CAT_NAMES) * len(keys), dtype=torch.int32))
+    return Batch(dense_features=dense_t, sparse_features=kjt, labels=labels)
+
+
+class Stream(IterableDataset):
+    """Unsized: batch n holds keys n*BATCH .. (n+1)*BATCH-1, from batch ``start`` on."""
+
+    def __init__(self, rank: int, offset: int = 0) -> None:
+        self.rank, self.offset, self.start = rank, offset, 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        n = self.start
+        while True:
+            yield make_rows(list(range(self.offset + n * BATCH, self.offset + (n + 1) * BATCH)), self.rank)
+            n += 1
+
+
+class ResumableLoader(DataLoader):
+    """Stateful as Lightning sees it (``state_dict``/``load_state_dict``): resumes at the batch the loop
+    processes next, whatever was read ahead."""
+
+    trainer: Trainer | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        assert self.trainer is not None
+        return {"next": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.dataset.start = state["next"]
+
+
+class Samples(Dataset):
+    """Sized, map-style: Lightning adds a DistributedSampler; the collate makes the Batch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class PipelinedDLRM(DLRMModule):
+    def __init__(self) -> None:
+        super().__init__(num_embeddings=ROWS, embedding_dim=DIM, dense_arch_layer_sizes=[16, DIM],
+                         over_arch_layer_sizes=[16, 1], learning_rate=0.05)
+        self.losses: list[float] = []
+        self.batch_sizes: list[int] = []
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(self(batch), batch.labels.float())
+        self.log("train/loss", loss, batch_size=batch.labels.numel())
+        self.losses.append(float(loss.detach()))
+        self.batch_sizes.append(batch.labels.numel())
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.loss(self(batch), batch.labels.float())
+
+
+class SaveAt(Callback):
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path = at, path
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
+    seed_everything(0, workers=False, verbose=False)
+    strategy = ETTStrategy(sharding_type=spec.get("sharding_type", "table_wise"), sharding_group_size=spec.get("k"),
+                           fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": 0.05},
+                           pipeline=spec["pipeline"])
+    callbacks: list[Callback] = []
+    if spec.get("save_at") is not None:
+        callbacks.append(SaveAt(spec["save_at"], out / spec["name"] / "ckpt"))
+    val_every = spec.get("val_every")
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, callbacks=callbacks,
+                      max_steps=spec.get("steps", -1), max_epochs=spec.get("epochs", 1 if spec.get("finite") else None),
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      limit_val_batches=2 if val_every else 0, val_check_interval=val_every,
+                      check_val_every_n_epoch=None if val_every else 1, num_sanity_val_steps=0,
+                      accumulate_grad_batches=spec.get("accumulate", 1))
+    model = PipelinedDLRM()
+    model.automatic_optimization = not spec.get("manual")
+    rank = trainer.global_rank
+    if spec.get("finite"):
+        loader: DataLoader = DataLoader(Samples(spec["finite"] * devices), batch_size=16,
+                                        collate_fn=lambda keys: make_rows(keys, 0))
+    else:
+        loader = ResumableLoader(Stream(rank), batch_size=None)
+        loader.trainer = trainer
+    val = DataLoader(Stream(rank, offset=10**6), batch_size=None) if val_every else None
+    resume = str(out / spec["resume"] / "ckpt") if spec.get("resume") else None
+    trainer.fit(model, loader, val_dataloaders=val, ckpt_path=resume)
+    pipeline = strategy.input_pipeline
+    facts = {
+        "losses": model.losses, "batch_sizes": model.batch_sizes, "end": held_state(trainer),
+        "global_step": trainer.global_step,
+        "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0,
+        "prepared_batches": pipeline.prepared_batches if pipeline is not None else 0,
+        "off_reason": pipeline.off_reason if pipeline is not None else None,
+    }
+    (out / spec["name"]).mkdir(parents=True, exist_ok=True)
+    torch.save(facts, out / spec["name"] / f"rank{rank}.pt")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--fits", required=True, help="JSON list of fits (see the module docstring)")
+    args = p.parse_args()
+    for spec in json.loads(args.fits):
+        run_fit(spec, args.out, args.devices)
+
+
+if __name__ == "__main__":
+    main()
