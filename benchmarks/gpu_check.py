@@ -26,6 +26,10 @@ figures as JSON to ``--out`` (default ``$OUT/gpu_check.json`` when ``$OUT`` is s
   the Triton kernels: every start has an empty Triton cache directory).
 * ``kernels_2d``: issue #32's refusal of ``fused_uvm_caching`` in 2D, and the reason for it on a GPU (only where
   TorchRec and fbgemm are installed; on the GPU image it says it did not run).
+* ``pipeline``: issue #33's pipelined input distribution on the device (``benchmarks/throughput_job.py``
+  on one rank per device, up to 2): steps/s of ETTStrategy, ``ETTStrategy(pipeline=False)`` and
+  TorchRec's ``TrainPipelineSparseDist`` on the same DLRM, one run each (only where TorchRec and
+  fbgemm are installed; on the GPU image it says it did not run).
 * ``hang``: the hang watch's evidence on NCCL (issue #28). Two ranks, one per GPU (2+ GPUs): rank 1
   stops making collectives (a hang in Python) while rank 0 enqueues the next all-reduce and waits at
   a host sync. Read from outside, as the watch reads them: rank 0's CPU share while it waits (a CUDA
@@ -62,12 +66,12 @@ from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("pg", "checkpoint", "dynamic_shapes", "compile_cache", "hang", "kernels_2d")
+SECTIONS = ("pg", "checkpoint", "dynamic_shapes", "compile_cache", "hang", "kernels_2d", "pipeline")
 BLOCK_ENV = "GPU_CHECK_BLOCK_MODULES"  # children set these to None in sys.modules (as if not installed)
 ABSENT_ON_GPU_IMAGE = ("torchrec", "fbgemm_gpu")
 DEADLINE_S = 450.0  # the whole run, children included (the brief: under 8 minutes)
 SECTION_CAP_S = {"pg": 75.0, "checkpoint": 170.0, "dynamic_shapes": 140.0, "compile_cache": 170.0, "hang": 60.0,
-                 "kernels_2d": 30.0}
+                 "kernels_2d": 30.0, "pipeline": 150.0}
 _DROP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
@@ -1082,10 +1086,49 @@ def section_kernels_2d(run: Run, sec: Section) -> None:
     sec.check("cache rows invisible to split_embedding_weights", stale > 0, f"{stale} stale rows before flush()")
 
 
+def section_pipeline(run: Run, sec: Section) -> None:
+    """Issue #33 on the device: ETTStrategy (input distribution pipelined, on CUDA on side streams) against
+    ``TrainPipelineSparseDist`` and against itself unpipelined, where TorchRec and fbgemm are installed."""
+    try:
+        if run.args.without_torchrec:
+            raise ImportError(name="torchrec")  # as on the GPU image
+        import fbgemm_gpu  # noqa: F401
+        import torchrec  # noqa: F401
+    except ImportError as e:
+        sec.row("status", f"not run: {e.name} is not installed (the GPU image has neither TorchRec nor fbgemm)")
+        sec.check("pipelined ETTStrategy >= 0.97 of TrainPipelineSparseDist", None,
+                  "n/a without TorchRec; benchmarks/throughput_vs_dmp.py measures it on CPU")
+        return
+    import torch
+
+    ranks = min(torch.cuda.device_count(), 2) if run.device == "cuda" else 2
+    steps = 200 if run.device == "cuda" else 40
+    step_s = {}
+    cap_end = time.monotonic() + SECTION_CAP_S["pipeline"]
+    for mode in ("pipeline", "lightning", "lightning_plain"):
+        result = run.tmp / f"pipeline-{mode}.json"
+        limit = min(60.0, cap_end - time.monotonic(), run.left() - 3)
+        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "throughput_job.py"), "--mode", mode, "--out",
+                               str(result), "--steps", str(steps), "--device", run.device, "--ranks", str(ranks)],
+                              check=False, cwd=REPO, env=run.child_env(f"pipeline-{mode}"), capture_output=True, text=True,
+                              timeout=max(limit, 5))
+        if proc.returncode != 0:
+            raise RuntimeError(f"throughput_job --mode {mode} failed: {proc.stderr[-800:]}")
+        step_s[mode] = json.loads(result.read_text())["step_s"]
+        sec.row(f"{mode}: steps/s", f"{1 / step_s[mode]:.1f}  ({ranks} rank(s), {steps} steps)")
+    sec.figures.update(step_s=step_s, ranks=ranks)
+    ratio = step_s["pipeline"] / step_s["lightning"]
+    sec.row("ETTStrategy / unpipelined", f"{step_s['lightning_plain'] / step_s['lightning']:.3f}")
+    sec.check("pipelined ETTStrategy >= 0.97 of TrainPipelineSparseDist", ratio >= 0.97 if run.device == "cuda" else None,
+              f"{ratio:.3f} (one run each)")
+
+
 SECTION_RUNNERS = {"pg": section_pg, "checkpoint": section_checkpoint, "dynamic_shapes": section_dynamic_shapes,
-                   "compile_cache": section_compile_cache, "hang": section_hang, "kernels_2d": section_kernels_2d}
+                   "compile_cache": section_compile_cache, "hang": section_hang, "kernels_2d": section_kernels_2d,
+                   "pipeline": section_pipeline}
 TITLES = {"pg": "process group", "checkpoint": "AsyncCheckpoint", "dynamic_shapes": "DynamicShapes",
-          "compile_cache": "CompileCache", "hang": "hang watch", "kernels_2d": "2D kernels (#32)"}
+          "compile_cache": "CompileCache", "hang": "hang watch", "kernels_2d": "2D kernels (#32)",
+          "pipeline": "input pipeline (#33)"}
 
 
 def _s(seconds: float) -> str:

@@ -1,4 +1,4 @@
-"""One throughput measurement on 2 gloo ranks: ETTStrategy under Lightning, or a hand-written TorchRec loop.
+"""One throughput measurement (2 gloo ranks; ``--device cuda``: NCCL, one rank per GPU): ETTStrategy or a TorchRec loop.
 
 All arms use the example's DLRM, data (RandomRecDataset, seed = rank, through a DataLoader),
 table-wise sharding, row-wise Adagrad fused into backward for the tables and Adagrad for the dense part:
@@ -63,7 +63,8 @@ class Profiler:
             self.profile.dump_stats(str(self.out))
 
 
-def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None, pipeline: bool = True) -> None:
+def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None, pipeline: bool = True,
+                  device: str = "cpu", ranks: int = 2) -> None:
     import tempfile
 
     from lightning.pytorch import Callback, Trainer
@@ -89,7 +90,8 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
                            pipeline=pipeline)
     with tempfile.TemporaryDirectory() as run_dir:
         monitor = ETTMonitor(run_dir=run_dir, report_on_end=False)
-        trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+        trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=ranks, strategy=strategy,
+                          max_steps=steps, logger=False,
                           callbacks=[clock, monitor], enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, limit_val_batches=0)
         trainer.fit(DLRMModule(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
@@ -97,7 +99,8 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
         out.write_text(json.dumps(step_times(clock.stamps, warmup)))
 
 
-def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: str, profile: Path | None) -> None:
+def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: str, profile: Path | None,
+               device_type: str = "cpu", ranks: int = 2) -> None:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -107,9 +110,12 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
     from lightning_ett.strategies.plan_cache import embedding_tables
     from lightning_ett.strategies.sharders import default_sharders
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
-    torch.set_num_threads(max((os.cpu_count() or 2) // 2, 1))  # as torchrun and Lightning do: no oversubscription
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(ranks))
+    torch.set_num_threads(max((os.cpu_count() or 2) // ranks, 1))  # as torchrun and Lightning do: no oversubscription
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=ranks)
     torch.manual_seed(0)
     model = DLRMModule(learning_rate=LR).model
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR})
@@ -118,9 +124,9 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
 
         model = DLRMTrain(model)  # forward(batch) -> (loss, outputs), as TrainPipelineSparseDist expects
     constraints = {t: ParameterConstraints(sharding_types=["table_wise"]) for t in embedding_tables(model)}
-    plan = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu", local_world_size=2),
-                                    constraints=constraints).plan(model, default_sharders("cpu"))
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=default_sharders("cpu"))
+    topology = Topology(world_size=ranks, compute_device=device_type, local_world_size=ranks)
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, default_sharders(device_type))
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=default_sharders(device_type))
     dense = torch.optim.Adagrad([p for p in dmp.parameters() if not hasattr(p, "_in_backward_optimizers")], lr=LR)
     # Through a DataLoader, as the Lightning arm and any real training loop read data.
     data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 2, rank), batch_size=None))
@@ -135,7 +141,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
     if loop != "dmp":
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        pipeline = TrainPipelineSparseDist(dmp, dense, torch.device("cpu"), execute_all_batches=True)
+        pipeline = TrainPipelineSparseDist(dmp, dense, device, execute_all_batches=True)
         for _ in range(steps):
             pipeline.progress(data)  # zero_grad, forward, backward, step; the next batch's input_dist overlapped
             stamp()
@@ -144,7 +150,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
                 pipeline.progress(data)
     else:
         for _ in range(steps):
-            batch = next(data)
+            batch = next(data).to(device)  # (on CPU: the same tensors)
             logits = dmp(batch.dense_features, batch.sparse_features).squeeze(-1)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
             dense.zero_grad()
@@ -164,18 +170,20 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one rank per GPU")
+    p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--profile", default=None, help="rank 0 writes a cProfile of the steps after the warm-up here")
     args = p.parse_args()
     if args.mode.startswith("lightning"):
         lightning_run(args.steps, args.warmup, Path(args.out), Path(args.profile) if args.profile else None,
-                      pipeline=args.mode == "lightning")
+                      pipeline=args.mode == "lightning", device=args.device, ranks=args.ranks)
     else:
         import torch.multiprocessing as mp
         from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
         profile = Path(args.profile) if args.profile else None
         mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode,
-                                   profile), nprocs=2)
+                                   profile, args.device, args.ranks), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def test_cpu_dry_run_of_the_sections(tmp_path: Path) -> None:
     ``--device cpu --without-torchrec``."""
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--without-torchrec", "--backend", "aot_eager",
-                           "--sections", "pg,checkpoint,dynamic_shapes,hang", "--deadline", "280", "--out", str(out)],
+                           "--sections", "pg,checkpoint,dynamic_shapes,hang,pipeline", "--deadline", "280", "--out", str(out)],
                           env=clean_env(), capture_output=True, text=True, timeout=300, check=False, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     figures = json.loads(out.read_text())
@@ -172,10 +172,23 @@ def test_cpu_dry_run_of_the_sections(tmp_path: Path) -> None:
     assert dyn["plain"]["recompiles"] >= 1 and dyn["dynamic_shapes"]["recompiles"] == 0
     hang = sections["hang"]["figures"]["gloo-2"]  # on CUDA: nccl-2 (2+ GPUs), or nccl-1 and gloo-2 (one GPU)
     assert hang["named"] == 1 and hang["status"]["0"] != hang["status"]["1"] and hang["working"] == {}
-    assert "total elapsed" in proc.stdout and "4/4 section(s) ok" in proc.stdout
+    assert "not run: torchrec is not installed" in proc.stdout  # the pipeline section, as on the GPU image
+    assert "total elapsed" in proc.stdout and "5/5 section(s) ok" in proc.stdout
     # nothing that needs rich, matplotlib or wandb (which the GPU image may lack) was imported by the children
     assert ckpt["needs_missing_optional"] == [] and dyn["plain"]["needs_missing_optional"] == []
     assert all(r["needs_missing_optional"] == [] for r in pg["both"])
+
+
+def test_the_pipeline_section_runs_where_torchrec_is_installed(tmp_path: Path) -> None:
+    """On CPU it walks its code path: the three arms run and their figures come back (no verdict: n/a on CPU)."""
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "pipeline", "--out", str(out)],
+                          env=clean_env(), capture_output=True, text=True, timeout=300, check=False, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    section = json.loads(out.read_text())["sections"]["pipeline"]
+    assert set(section["figures"]["step_s"]) == {"pipeline", "lightning", "lightning_plain"}
+    assert all(s > 0 for s in section["figures"]["step_s"].values())
+    assert [c["ok"] for c in section["checks"]] == [None]
 
 
 def test_the_2d_kernel_section_runs_where_torchrec_is_installed(tmp_path: Path) -> None:

@@ -486,6 +486,7 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
         if self.input_pipeline is not None:
             self.input_pipeline.before_backward()  # the next batch's ids travel during this backward
 

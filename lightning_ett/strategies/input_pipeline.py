@@ -40,11 +40,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
@@ -100,6 +100,8 @@ def unpipelinable_reason(trainer: pl.Trainer) -> str | None:
     ``on_before_batch_transfer`` keep it: a prepared batch is recognised by identity.
     """
     module, datamodule = trainer.lightning_module, trainer.datamodule
+    if is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True):
+        return "training_step takes `dataloader_iter` and fetches its own batches"
     if type(trainer.precision_plugin).convert_input is not Precision.convert_input:
         return (f"precision {trainer.precision_plugin.precision!r} converts each input batch; use a '-mixed' precision "
                 "to keep the pipeline")
@@ -155,8 +157,25 @@ def next_raw_batch(trainer: pl.Trainer) -> Any:
 
 
 def record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
-    """Tell the caching allocator that ``stream`` uses the batch's tensors (made on another stream)."""
-    apply_to_collection(batch, (torch.Tensor, KeyedJaggedTensor), lambda t: t.record_stream(stream))
+    """Tell the caching allocator that ``stream`` uses the batch's tensors (made on another stream).
+
+    A batch with its own ``record_stream`` (TorchRec's ``Pipelineable``) does it itself; otherwise every
+    tensor and KJT in its containers, dataclass fields and attributes.
+    """
+    if hasattr(batch, "record_stream"):  # a Tensor, a KJT, a Pipelineable batch
+        batch.record_stream(stream)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            record_stream(value, stream)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            record_stream(value, stream)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for f in dataclasses.fields(batch):
+            record_stream(getattr(batch, f.name), stream)
+    elif hasattr(batch, "__dict__") and not isinstance(batch, nn.Module):
+        for value in vars(batch).values():
+            record_stream(value, stream)
 
 
 @dataclass
@@ -302,6 +321,7 @@ class SparseInputPipeline:
             self._learn(batch)
         if self.current is not None:
             self._drain(self.current)  # modules that did not run with the prepared input (none, normally)
+            self.current = None
 
     # ----------------------------------------------------------------- work
     def prepare_next(self, trainer: pl.Trainer) -> None:

@@ -5,7 +5,12 @@ Several fits run one after the other in the same processes: ``--fits`` is a JSON
 ``"val_every"`` (validation every that many batches, 2 batches), ``"manual"`` (manual optimization with
 ``manual_backward``), ``"finite"`` (a sized, map-style loader of that many samples per rank in batches of
 16, so the last batch of each epoch is short; ``"epochs"`` of it), ``"save_at"`` (``trainer.save_checkpoint``
-after that batch), ``"resume"`` (the fit whose save to resume from) and ``"sharding_type"``.
+after that batch), ``"resume"`` (the fit whose save to resume from), ``"sharding_type"``, ``"precision"``,
+``"callbacks"`` (ETTMonitor, AsyncCheckpoint every 10 steps, DynamicShapes and CompileCache, the dense
+parts compiled with ``aot_eager``), ``"resume_path"`` (a checkpoint under OUT to resume from),
+``"variant"``: ``"rebuilt_kjt"`` (forward hands the tables a KJT it builds, so nothing can be distributed
+ahead), ``"before_transfer"`` (an ``on_before_batch_transfer`` hook) or ``"dataloader_iter"``
+(``training_step(dataloader_iter)``).
 
 The unsized loader is stateful: its state is the number of batches the loop has processed, so a fit
 resumed from a checkpoint reads the batches an uninterrupted one read after that point. Each fit writes
@@ -31,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sparse_2d_job import held_state
 
 from examples.dlrm_example import DLRMModule
-from lightning_ett import ETTStrategy
+from lightning_ett import AsyncCheckpoint, CompileCache, DynamicShapes, ETTMonitor, ETTStrategy
+from lightning_ett.instrument.compile_events import compile_tracker
 
 ROWS, DIM, BATCH = 500, 8, 32
 
@@ -91,9 +97,12 @@ class Samples(Dataset):
 
 
 class PipelinedDLRM(DLRMModule):
-    def __init__(self) -> None:
+    def __init__(self, compiled: bool = False) -> None:
         super().__init__(num_embeddings=ROWS, embedding_dim=DIM, dense_arch_layer_sizes=[16, DIM],
                          over_arch_layer_sizes=[16, 1], learning_rate=0.05)
+        if compiled:  # as compile_dense does, with a backend that needs no C++ compiler
+            for dense_part in (self.model.dense_arch, self.model.inter_arch, self.model.over_arch):
+                dense_part.compile(backend="aot_eager")
         self.losses: list[float] = []
         self.batch_sizes: list[int] = []
 
@@ -113,6 +122,31 @@ class PipelinedDLRM(DLRMModule):
         self.loss(self(batch), batch.labels.float())
 
 
+class RebuiltKJT(PipelinedDLRM):
+    """Hands the tables a KJT made in forward: not an object of the batch."""
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        kjt = batch.sparse_features
+        rebuilt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths())
+        return self.model(batch.dense_features, rebuilt).squeeze(-1)
+
+
+class BeforeTransfer(PipelinedDLRM):
+    def on_before_batch_transfer(self, batch: Batch, dataloader_idx: int) -> Batch:
+        return batch
+
+
+class DataloaderIter(PipelinedDLRM):
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        batch, _, _ = next(dataloader_iter)
+        batch = self.trainer.strategy.batch_to_device(batch)
+        return super().training_step(batch, 0)
+
+
+VARIANTS = {None: PipelinedDLRM, "rebuilt_kjt": RebuiltKJT, "before_transfer": BeforeTransfer,
+            "dataloader_iter": DataloaderIter}
+
+
 class SaveAt(Callback):
     def __init__(self, at: int, path: Path) -> None:
         self.at, self.path = at, path
@@ -130,14 +164,19 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
     callbacks: list[Callback] = []
     if spec.get("save_at") is not None:
         callbacks.append(SaveAt(spec["save_at"], out / spec["name"] / "ckpt"))
+    if spec.get("callbacks"):
+        callbacks += [ETTMonitor(report_on_end=False),  # the ledger of `lightning run`'s run directory
+                      AsyncCheckpoint(out / spec["name"] / "async", every_n_train_steps=10, keep_last_n=5),
+                      DynamicShapes(), CompileCache(out / spec["name"] / "compile-cache")]
     val_every = spec.get("val_every")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, callbacks=callbacks,
                       max_steps=spec.get("steps", -1), max_epochs=spec.get("epochs", 1 if spec.get("finite") else None),
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=bool(spec.get("callbacks")),
                       limit_val_batches=2 if val_every else 0, val_check_interval=val_every,
                       check_val_every_n_epoch=None if val_every else 1, num_sanity_val_steps=0,
-                      accumulate_grad_batches=spec.get("accumulate", 1))
-    model = PipelinedDLRM()
+                      accumulate_grad_batches=spec.get("accumulate", 1), precision=spec.get("precision", "32-true"))
+    model = VARIANTS[spec.get("variant")](compiled=bool(spec.get("callbacks")))
     model.automatic_optimization = not spec.get("manual")
     rank = trainer.global_rank
     if spec.get("finite"):
@@ -148,11 +187,15 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
         loader.trainer = trainer
     val = DataLoader(Stream(rank, offset=10**6), batch_size=None) if val_every else None
     resume = str(out / spec["resume"] / "ckpt") if spec.get("resume") else None
+    if spec.get("resume_path"):
+        resume = str(out / spec["resume_path"])
+    torch._dynamo.reset()  # each fit compiles afresh: its recompiles are its own
+    recompiles_before = compile_tracker().recompiles
     trainer.fit(model, loader, val_dataloaders=val, ckpt_path=resume)
     pipeline = strategy.input_pipeline
     facts = {
         "losses": model.losses, "batch_sizes": model.batch_sizes, "end": held_state(trainer),
-        "global_step": trainer.global_step,
+        "global_step": trainer.global_step, "recompiles": compile_tracker().recompiles - recompiles_before,
         "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0,
         "prepared_batches": pipeline.prepared_batches if pipeline is not None else 0,
         "off_reason": pipeline.off_reason if pipeline is not None else None,
