@@ -1096,14 +1096,13 @@ def section_pipeline(run: Run, sec: Section) -> None:
         import torchrec  # noqa: F401
     except ImportError as e:
         sec.row("status", f"not run: {e.name} is not installed (the GPU image has neither TorchRec nor fbgemm)")
-        sec.check("pipelined ETTStrategy >= 0.97 of TrainPipelineSparseDist", None,
-                  "n/a without TorchRec; benchmarks/throughput_vs_dmp.py measures it on CPU")
+        sec.check("the pipeline engaged on the device", None, "n/a without TorchRec")
         return
     import torch
 
     ranks = min(torch.cuda.device_count(), 2) if run.device == "cuda" else 2
     steps = 200 if run.device == "cuda" else 40
-    step_s = {}
+    step_s, engaged = {}, 0
     cap_end = time.monotonic() + SECTION_CAP_S["pipeline"]
     for mode in ("pipeline", "lightning", "lightning_plain"):
         result = run.tmp / f"pipeline-{mode}.json"
@@ -1114,13 +1113,15 @@ def section_pipeline(run: Run, sec: Section) -> None:
                               timeout=max(limit, 5))
         if proc.returncode != 0:
             raise RuntimeError(f"throughput_job --mode {mode} failed: {proc.stderr[-800:]}")
-        step_s[mode] = json.loads(result.read_text())["step_s"]
+        figures = json.loads(result.read_text())
+        step_s[mode] = figures["step_s"]
+        engaged = figures.get("pipelined_calls", engaged) if mode == "lightning" else engaged
         sec.row(f"{mode}: steps/s", f"{1 / step_s[mode]:.1f}  ({ranks} rank(s), {steps} steps)")
-    sec.figures.update(step_s=step_s, ranks=ranks)
-    ratio = step_s["pipeline"] / step_s["lightning"]
+    sec.figures.update(step_s=step_s, ranks=ranks, pipelined_calls=engaged)
+    sec.row("ETTStrategy / TrainPipelineSparseDist", f"{step_s['pipeline'] / step_s['lightning']:.3f}  (one run each, "
+            "in this order: a figure, not a verdict; benchmarks/throughput_vs_dmp.py alternates rounds)")
     sec.row("ETTStrategy / unpipelined", f"{step_s['lightning_plain'] / step_s['lightning']:.3f}")
-    sec.check("pipelined ETTStrategy >= 0.97 of TrainPipelineSparseDist", ratio >= 0.97 if run.device == "cuda" else None,
-              f"{ratio:.3f} (one run each)")
+    sec.check("the pipeline engaged on the device", engaged > 0, f"{engaged} pipelined sharded forwards")
 
 
 SECTION_RUNNERS = {"pg": section_pg, "checkpoint": section_checkpoint, "dynamic_shapes": section_dynamic_shapes,

@@ -96,7 +96,9 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
                           enable_model_summary=False, limit_val_batches=0)
         trainer.fit(DLRMModule(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
     if trainer.global_rank == 0:
-        out.write_text(json.dumps(step_times(clock.stamps, warmup)))
+        pipeline = strategy.input_pipeline
+        out.write_text(json.dumps({**step_times(clock.stamps, warmup),
+                                   "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0}))
 
 
 def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: str, profile: Path | None,

@@ -1,6 +1,6 @@
 """Training throughput: ETTStrategy under Lightning vs hand-written TorchRec loops (TrainPipelineSparseDist, plain DMP).
 
-    .venv/bin/python benchmarks/throughput_vs_dmp.py [--pairs 7] [--steps 200]
+    .venv/bin/python benchmarks/throughput_vs_dmp.py [--pairs 10] [--steps 200]
 
 Same model, data, sharding and optimizers (see throughput_job.py), 2 gloo ranks each; the Lightning
 arms keep what users keep (``self.log`` of the loss, ETTMonitor). Each round runs the arms back to back
@@ -61,7 +61,7 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=7, help="rounds of all the arms")
+    parser.add_argument("--pairs", type=int, default=10, help="rounds of all the arms (10: a balanced design of 5 arms)")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {"pipeline": [], "dmp": [], "lightning_plain": []}

@@ -180,7 +180,7 @@ def test_cpu_dry_run_of_the_sections(tmp_path: Path) -> None:
 
 
 def test_the_pipeline_section_runs_where_torchrec_is_installed(tmp_path: Path) -> None:
-    """On CPU it walks its code path: the three arms run and their figures come back (no verdict: n/a on CPU)."""
+    """On CPU it walks its code path: the three arms run, their figures come back, the pipeline engaged."""
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sections", "pipeline", "--out", str(out)],
                           env=clean_env(), capture_output=True, text=True, timeout=300, check=False, cwd=REPO)
@@ -188,7 +188,8 @@ def test_the_pipeline_section_runs_where_torchrec_is_installed(tmp_path: Path) -
     section = json.loads(out.read_text())["sections"]["pipeline"]
     assert set(section["figures"]["step_s"]) == {"pipeline", "lightning", "lightning_plain"}
     assert all(s > 0 for s in section["figures"]["step_s"].values())
-    assert [c["ok"] for c in section["checks"]] == [None]
+    assert section["figures"]["pipelined_calls"] > 0
+    assert [c["ok"] for c in section["checks"]] == [True]
 
 
 def test_the_2d_kernel_section_runs_where_torchrec_is_installed(tmp_path: Path) -> None:

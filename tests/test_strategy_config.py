@@ -88,3 +88,18 @@ def test_unwritable_plan_cache_dir_is_a_clear_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="plan_cache_dir"):
         ETTStrategy(plan_cache_dir=blocker / "plans")
+
+
+def test_a_frozen_table_is_refused_naming_it():
+    from lightning_ett.durable.errors import ConfigurationError
+    from lightning_ett.strategies.sharders import apply_fused_optimizer
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10,
+                                                            feature_names=["f0"])])
+    model = torch.nn.ModuleDict({"ebc": ebc})
+    ebc.requires_grad_(False)
+    with pytest.raises(ConfigurationError, match=r"embedding_bags\.t0\.weight.*requires_grad=False"):
+        apply_fused_optimizer(model, "row_wise_adagrad", {"lr": 0.1})
+    ebc.requires_grad_(True)
+    apply_fused_optimizer(model, "row_wise_adagrad", {"lr": 0.1})  # trainable: fused into backward
+    assert hasattr(ebc.embedding_bags["t0"].weight, "_in_backward_optimizers")

@@ -463,8 +463,8 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if self.input_pipeline is not None:
-            prepared = self.input_pipeline.take(batch)  # moved to the device a step ahead, ids in flight
+        if self.input_pipeline is not None and self.lightning_module is not None:
+            prepared = self.input_pipeline.take(batch, self.lightning_module, dataloader_idx)  # ids already in flight
             if prepared is not NOTHING:
                 return prepared
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -618,8 +618,15 @@ class ETTStrategy(ParallelStrategy):
         # Lightning has registered its signal handlers by now.
         self._sigterm = sigterm.install(self.lightning_module.trainer, self._patches)  # no collective + .item() per step
         if self.pipeline and self._dmp is not None:
-            self.input_pipeline = SparseInputPipeline(self._dmp, self.root_device)
+            self.input_pipeline = SparseInputPipeline(self._dmp, self.root_device, self._all_ranks_agree)
             self.input_pipeline.attach(self.lightning_module.trainer)
+
+    def _all_ranks_agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag AND-ed over all ranks (one small all-reduce, on the device the process group serves)."""
+        tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=self.root_device)
+        if _distributed_is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return [bool(value) for value in tensor.tolist()]
 
     def _detach_pipeline(self) -> None:
         """Wait for the input distribution in flight (a batch prepared past the last step) and put the modules'

@@ -24,22 +24,27 @@ Not reused, and why:
   the one Lightning has prefetched (iterable datasets) or one read ahead through :class:`LookAhead`
   (sized loaders), and ``ETTStrategy.batch_to_device`` hands the loop the batch prepared ahead.
 
-A prepared batch holds only ids in flight, no model state: the input distribution moves ids, never
-embeddings, so the pipelined run computes exactly what the unpipelined one does, and a checkpoint
-taken at any point holds no half-distributed batch. A module called with arguments other than the
-prepared ones (e.g. validation, a second closure call) runs its own forward.
+What moves earlier, and what does not: the next batch is fetched (a sized loader read one batch
+ahead, as Lightning reads iterable ones) and ``transfer_batch_to_device`` runs one step early;
+``on_after_batch_transfer`` still runs when the loop asks for the batch. A prepared batch holds only
+ids in flight, no model state: the input distribution moves ids, never embeddings, so the pipelined
+run computes exactly what the unpipelined one does, and a checkpoint taken at any point holds no
+half-distributed batch. Ids replaced or edited in place after they were sent are refused (an error
+naming the fix), not trained on: falling back to the module's own distribution on one rank would
+mismatch the ranks' collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -53,7 +58,9 @@ from torchrec.distributed.train_pipeline.types import ArgInfo, CallArgs
 from torchrec.distributed.train_pipeline.utils import _override_input_dist_forwards, _start_data_dist
 from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.patching import Patches
 
 #: How deep :func:`find_in_batch` looks (``batch.sparse_features`` is depth 1).
@@ -139,31 +146,35 @@ class LookAhead(Iterator[Any]):
         return getattr(self.__dict__["iterator"], name)
 
 
-def next_raw_batch(trainer: pl.Trainer) -> Any:
-    """The batch the fit loop will fetch next, before any hook saw it; ``NOTHING`` at the end of the epoch
-    or when the loop does not fetch (``training_step(dataloader_iter)``)."""
-    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-    if type(fetcher) is not _PrefetchDataFetcher:
-        return NOTHING
+def next_raw_batch(fetcher: Any, read_ahead: bool) -> Any:
+    """The batch the fit loop will fetch next, before any hook saw it; ``NOTHING`` at the end of the epoch.
+
+    What Lightning prefetched (iterable loaders), else, with ``read_ahead``, one item read through a
+    :class:`LookAhead` (``iter(fetcher)`` makes a new iterator each epoch, so it is wrapped again).
+    """
     if fetcher.batches:
         item = fetcher.batches[0]
-    elif fetcher.done or fetcher.iterator is None:
+    elif fetcher.done or fetcher.iterator is None or not read_ahead:
         return NOTHING
     else:
         if not isinstance(fetcher.iterator, LookAhead):
-            fetcher.iterator = LookAhead(fetcher.iterator)  # iter(fetcher) makes a new one each epoch
+            fetcher.iterator = LookAhead(fetcher.iterator)
         item = fetcher.iterator.peek()
     return item[0] if isinstance(item, tuple) and len(item) == 3 else NOTHING  # (batch, batch_idx, dataloader_idx)
 
 
 def record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
-    """Tell the caching allocator that ``stream`` uses the batch's tensors (made on another stream).
+    """Tell the caching allocator that ``stream`` uses the batch's CUDA tensors (made on another stream).
 
-    A batch with its own ``record_stream`` (TorchRec's ``Pipelineable``) does it itself; otherwise every
-    tensor and KJT in its containers, dataclass fields and attributes.
+    Walks containers, dataclass fields, attributes and KJTs itself: ``Tensor.record_stream`` exists
+    for CUDA tensors only, and a batch may keep some on the host.
     """
-    if hasattr(batch, "record_stream"):  # a Tensor, a KJT, a Pipelineable batch
-        batch.record_stream(stream)
+    if isinstance(batch, torch.Tensor):
+        if batch.is_cuda:
+            batch.record_stream(stream)
+    elif isinstance(batch, KeyedJaggedTensor):
+        for tensor in _kjt_tensors(batch):
+            record_stream(tensor, stream)
     elif isinstance(batch, Mapping):
         for value in batch.values():
             record_stream(value, stream)
@@ -178,22 +189,39 @@ def record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
             record_stream(value, stream)
 
 
+def _kjt_tensors(kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
+    return [t for t in (kjt.values(), kjt.weights_or_none(), kjt.lengths_or_none(), kjt.offsets_or_none()) if t is not None]
+
+
+def tensor_versions(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
+    """The in-place version counters of the tensors in a module call's arguments (an edit in place bumps them)."""
+    versions = []
+    for value in [*args, *kwargs.values()]:
+        tensors = _kjt_tensors(value) if isinstance(value, KeyedJaggedTensor) else [value]
+        versions += [t._version for t in tensors if isinstance(t, torch.Tensor)]
+    return versions
+
+
 @dataclass
 class Prepared:
     """A batch moved to the device ahead, its input distribution in flight."""
 
     source: Any  # what the loop will hand batch_to_device
-    batch: Any  # what batch_to_device returns for it
+    batch: Any  # on the device (transfer_batch_to_device; on_after_batch_transfer runs when the loop asks)
     context: TrainPipelineContext = field(default_factory=lambda: TrainPipelineContext(version=1))
     expected: dict[str, tuple[list[Any], dict[str, Any]]] = field(default_factory=dict)
+    versions: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModuleForward(PipelinedForward):
     """A sharded module's forward under the pipeline.
 
     While the first batch is observed it records its arguments and runs the module's own forward.
-    Afterwards: TorchRec's ``PipelinedForward`` when called with the prepared batch's arguments and
-    their ids have been distributed, the module's own forward otherwise.
+    Afterwards: TorchRec's ``PipelinedForward`` while this batch's distribution for the module is
+    waiting, the module's own forward otherwise (validation, a second call, unprepared batches).
+    The distribution waiting is for the prepared batch's own objects, unchanged: anything else
+    would train on other ids than the module gets, so it is refused rather than run (running the
+    module's own distribution on some ranks only would mismatch the ranks' collectives).
     """
 
     def __init__(self, name: str, module: ShardedModule, pipeline: SparseInputPipeline) -> None:
@@ -207,12 +235,23 @@ class ModuleForward(PipelinedForward):
         if self.pipeline.observing:
             self.calls.append((args, kwargs))
             return self.own_forward(*args, **kwargs)
-        expected = self.pipeline.expected_args(self.name)
-        if (expected is not None and self.name in self._context.input_dist_tensors_requests
-                and _same_objects(expected, args, kwargs)):
-            self.pipeline.pipelined_calls += 1
-            return super().__call__(*args, **kwargs)
-        return self.own_forward(*args, **kwargs)
+        if self.name not in self._context.input_dist_tensors_requests:
+            return self.own_forward(*args, **kwargs)
+        prepared = self.pipeline.current
+        assert prepared is not None
+        if not _same_objects(prepared.expected[self.name], args, kwargs):
+            raise ConfigurationError(
+                f"ETTStrategy(pipeline=True): {_short(self.name)} got an input other than the batch's own object, whose "
+                "ids were already sent to the other ranks (the input was replaced after the batch was fetched: in "
+                "training_step, forward or on_train_batch_start). Pass the batch's object as it is, or use "
+                "ETTStrategy(pipeline=False).")
+        if tensor_versions(list(args), kwargs) != prepared.versions[self.name]:
+            raise ConfigurationError(
+                f"ETTStrategy(pipeline=True): the ids {_short(self.name)} gets were changed in place after they were "
+                "sent to the other ranks (in on_after_batch_transfer, on_train_batch_start, training_step or forward). "
+                "Change them in the dataset, or on a copy, or use ETTStrategy(pipeline=False).")
+        self.pipeline.pipelined_calls += 1
+        return super().__call__(*args, **kwargs)
 
 
 def _same_objects(expected: tuple[list[Any], dict[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -224,15 +263,18 @@ def _same_objects(expected: tuple[list[Any], dict[str, Any]], args: tuple[Any, .
 class SparseInputPipeline:
     """Prepares the next training batch and starts its sparse input distribution (see the module docstring).
 
-    Every call is made in the same order on every rank (the fit loop's), so the collectives it starts
-    match across ranks; what it starts it also waits for (:meth:`drain`) before the fit ends.
+    Every collective it starts is started in the same order on every rank: what to pipeline is agreed
+    once per fit (``agree``, a collective), and each step prepares the next batch iff the loop will
+    train one (as every rank must under data parallelism). Waiting for what was started
+    (:meth:`drain`) issues nothing new, so it may differ between ranks.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, agree: Callable[[list[bool]], list[bool]]) -> None:
         self.device = device
+        self.agree = agree  # per-module flags -> True where every rank says True
         on_cuda = device.type == "cuda"  # GPU only: H2D copy and input distribution on their own streams
-        self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
-        self.dist_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.copy_stream = torch.cuda.Stream(device, priority=-1) if on_cuda else None  # as TorchRec's pipelines
+        self.dist_stream = torch.cuda.Stream(device, priority=-1) if on_cuda else None
         self._modules = _top_level_sharded_modules(model)
         self._patches = Patches()
         self._forwards: dict[str, ModuleForward] = {}
@@ -244,6 +286,8 @@ class SparseInputPipeline:
         self.current: Prepared | None = None  # the batch this step trains on, if it was prepared
         self.next: Prepared | None = None
         self._step_batch: Any = NOTHING
+        self._read_ahead: bool | None = None  # may a sized loader be read one batch ahead (decided at first use)
+        self._said: set[str] = set()
         self.pipelined_calls = 0  # sharded forwards that used a distribution started a step ahead
         self.prepared_batches = 0
         self.off_reason: str | None = None
@@ -267,12 +311,13 @@ class SparseInputPipeline:
         self.release()
 
     def release(self) -> None:
-        """Give the modules their own forwards back without waiting (after an error: peers may be gone)."""
+        """Give the modules their own forwards back without waiting (after an error: peers may be gone).
+        Idempotent."""
         self.current = self.next = None
         self._unswap_splits()
         self._patches.undo()
         self._forwards.clear()
-        self._pipelined, self._pipelined_names, self._splits_swaps = [], [], None
+        self._pipelined, self._pipelined_names, self._splits_swaps, self._kjt_dists_own_forward = [], [], None, []
         self.observing = False
 
     @property
@@ -280,16 +325,20 @@ class SparseInputPipeline:
         return bool(self._forwards)
 
     # ----------------------------------------------------------------- the loop's calls, in order
-    def take(self, batch: Any) -> Any:
-        """``batch_to_device``: the prepared device batch if ``batch`` is the one prepared, else ``NOTHING``."""
+    def take(self, batch: Any, module: pl.LightningModule, dataloader_idx: int) -> Any:
+        """``batch_to_device``: the prepared device batch, through ``on_after_batch_transfer`` now (when the
+        unpipelined loop would run it), if ``batch`` is the one prepared; else ``NOTHING``."""
         if self.next is None or self.next.source is not batch:
             return NOTHING
-        self.current, self.next = self.next, None
-        if self.copy_stream is not None:
+        prepared, self.next = self.next, None
+        if self.copy_stream is not None and self.dist_stream is not None:
             current_stream = torch.cuda.current_stream(self.device)
             current_stream.wait_stream(self.copy_stream)
-            record_stream(self.current.batch, current_stream)
-        return self.current.batch
+            current_stream.wait_stream(self.dist_stream)
+            record_stream(prepared.batch, current_stream)
+        prepared.batch = module._call_batch_hook("on_after_batch_transfer", prepared.batch, dataloader_idx)
+        self.current = prepared
+        return prepared.batch
 
     def before_step(self, trainer: pl.Trainer, batch: Any) -> None:
         """``training_step`` of ``batch``: point the forwards at its distribution and prepare the next batch."""
@@ -320,27 +369,50 @@ class SparseInputPipeline:
         if self.observing and batch is self._step_batch:
             self._learn(batch)
         if self.current is not None:
-            self._drain(self.current)  # modules that did not run with the prepared input (none, normally)
+            self._drain(self.current)  # a module this batch did not call
             self.current = None
 
     # ----------------------------------------------------------------- work
     def prepare_next(self, trainer: pl.Trainer) -> None:
-        raw = next_raw_batch(trainer)
-        if raw is NOTHING or not self._pipelined or self.next is not None:
+        if not self._pipelined or self.next is not None:
             return
-        module = trainer.lightning_module
-        if self.copy_stream is None:
-            batch = module._apply_batch_transfer_handler(raw, self.device)
-        else:
-            with torch.cuda.stream(self.copy_stream):
-                batch = module._apply_batch_transfer_handler(raw, self.device)
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if type(fetcher) is not _PrefetchDataFetcher:  # Lightning's fetching changed: say so, train unpipelined
+            self._say_once("fetcher", f"the fit loop's data fetcher is a {type(fetcher).__name__}, not the "
+                                      "_PrefetchDataFetcher this version of the pipeline reads ahead from")
+            return
+        if self._read_ahead is None:
+            self._read_ahead = not any(isinstance(loader, _Stateful) for loader in fetcher.combined_loader.flattened)
+            if not self._read_ahead and fetcher.length is not None:
+                self._say_once("stateful", "the training loader is sized and stateful: reading it a batch ahead "
+                                           "would put that batch in its saved state, so a resume would skip it")
+        raw = next_raw_batch(fetcher, self._read_ahead)
+        if raw is NOTHING or raw is None:  # the end of the epoch; a None batch (Lightning skips it)
+            return
+        batch = self._transfer(trainer.lightning_module, raw)
         prepared = Prepared(source=raw, batch=batch)
-        for name in self._pipelined_names:
-            args, kwargs = self._forwards[name].args.build_args_kwargs(batch)
-            prepared.expected[name] = (args, kwargs)
+        try:
+            for name in self._pipelined_names:
+                prepared.expected[name] = self._forwards[name].args.build_args_kwargs(batch)
+        except (AttributeError, KeyError, IndexError, TypeError):  # this batch is shaped unlike the first
+            self._say_once("shape", "a batch did not hold the modules' inputs where the first batch did; "
+                                    "such batches train unpipelined")
+            return
+        prepared.versions = {name: tensor_versions(*expected) for name, expected in prepared.expected.items()}
         self._start(prepared)
         self.next = prepared
         self.prepared_batches += 1
+
+    def _transfer(self, module: pl.LightningModule, raw: Any) -> Any:
+        """``transfer_batch_to_device`` of the next batch, on the copy stream on GPUs. Lightning's default
+        copies a TorchRec batch blocking; a ``Pipelineable`` batch is copied ``non_blocking`` as TorchRec does."""
+        stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
+        with stream:
+            own = [owner for owner in (module, module.trainer.datamodule)
+                   if owner is not None and is_overridden("transfer_batch_to_device", owner)]
+            if not own and isinstance(raw, Pipelineable):
+                return raw.to(device=self.device, non_blocking=True)
+            return module._call_batch_hook("transfer_batch_to_device", raw, self.device, 0)
 
     def _start(self, prepared: Prepared) -> None:
         """Every pipelined module's ``input_dist`` of the batch: split sizes fused per process group."""
@@ -388,10 +460,12 @@ class SparseInputPipeline:
         context.fused_splits_awaitables.clear()
 
     def _drain(self, prepared: Prepared) -> None:
-        """Wait for whatever of ``prepared`` is still in flight and drop it (every rank does the same)."""
+        """Wait for whatever of ``prepared`` is still in flight and drop it (starts no collective)."""
         self._wait_splits(prepared)
-        for request in prepared.context.input_dist_tensors_requests.values():
-            request.wait()
+        stream = torch.cuda.stream(self.dist_stream) if self.dist_stream is not None else nullcontext()
+        with stream:  # where PipelinedForward waits them
+            for request in prepared.context.input_dist_tensors_requests.values():
+                request.wait()
         prepared.context.input_dist_tensors_requests.clear()
         prepared.context.module_contexts.clear()
 
@@ -402,27 +476,34 @@ class SparseInputPipeline:
         self.current = self.next = None
         self._step_batch = NOTHING
 
-    def expected_args(self, name: str) -> tuple[list[Any], dict[str, Any]] | None:
-        return self.current.expected.get(name) if self.current is not None else None
-
     def _learn(self, batch: Any) -> None:
-        """After the observed batch: each module's input path in the batch, or why it cannot be pipelined."""
+        """After the observed batch: each module's input path in the batch, agreed by every rank."""
         self.observing = False
-        skipped: list[str] = []
+        found: dict[str, CallArgs | None] = {}
+        why: dict[str, str] = {}
         for name, forward in self._forwards.items():
             calls, forward.calls = forward.calls, []
-            found = call_args_in(batch, *calls[0]) if len(calls) == 1 else None
-            if found is None:
-                why = "not called" if not calls else "called more than once" if len(calls) > 1 else "input made in forward"
-                skipped.append(f"{_short(name)} ({why})")
-                continue
-            forward._args = found
-            self._pipelined.append(forward._module)
-        self._pipelined_names = [name for name, f in self._forwards.items() if f._module in self._pipelined]
-        if skipped:
+            found[name] = call_args_in(batch, *calls[0]) if len(calls) == 1 else None
+            if found[name] is None:
+                why[name] = "not called" if not calls else "called more than once" if len(calls) > 1 else "input made in forward"
+        everywhere = self.agree([found[name] is not None for name in self._forwards])  # one collective per fit
+        for (name, forward), agreed in zip(self._forwards.items(), everywhere, strict=True):
+            if agreed:
+                forward._args = found[name]
+                self._pipelined.append(forward._module)
+                self._pipelined_names.append(name)
+            elif name not in why:
+                why[name] = "its input was not found in another rank's batch"
+        if why:
             rank_zero_info("ETTStrategy(pipeline=True): these sharded modules' input distribution is not pipelined: "
-                           + ", ".join(skipped) + ". A module is pipelined when its forward gets an object taken "
-                           "from the batch as it is, once per batch.")
+                           + ", ".join(f"{_short(name)} ({reason})" for name, reason in why.items())
+                           + ". A module is pipelined when its forward gets an object taken from the batch as it is, "
+                           "once per batch (decided from the first training batch of the fit).")
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_info(f"ETTStrategy(pipeline=True): {message}.")
 
 
 def _top_level_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:

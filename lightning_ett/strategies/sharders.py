@@ -67,6 +67,13 @@ def default_lr(name: str) -> float:
 
 def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) -> None:
     """Fuse the table optimizer into backward (once; a second setup must not stack another)."""
-    params = [p for sub in embedding_modules(module) for p in sub.parameters() if not hasattr(p, "_in_backward_optimizers")]
+    subs = embedding_modules(module)
+    frozen = [name for sub in subs for name, p in sub.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ConfigurationError(
+            f"ETTStrategy: embedding table parameter(s) {frozen[:3]}{' ...' if len(frozen) > 3 else ''} have "
+            "requires_grad=False. Frozen tables are not supported: the fused optimizer updates every sharded table in "
+            "backward. Keep the tables trainable (freeze the dense layers only), or train without ETTStrategy.")
+    params = [p for sub in subs for p in sub.parameters() if not hasattr(p, "_in_backward_optimizers")]
     if params:
         apply_optimizer_in_backward(FUSED_OPTIMIZERS[name], params, kwargs)

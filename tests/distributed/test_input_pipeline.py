@@ -54,7 +54,14 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "resume_path": "callbacks-piped/async/step-000000010"},
              {"name": "callbacks-finite", "pipeline": True, "finite": 50, "epochs": 2, "callbacks": True}]
     plan += [{"name": f"{variant}-{'piped' if on else 'plain'}", "pipeline": on, "steps": 12, "variant": variant}
-             for variant in ("rebuilt_kjt", "before_transfer", "dataloader_iter") for on in (False, True)]
+             for variant in ("rebuilt_kjt", "before_transfer", "dataloader_iter", "rank1_rebuilds", "after_transfer_step")
+             for on in (False, True)]
+    plan += [{"name": f"stateful_sized-{'piped' if on else 'plain'}", "pipeline": on, "finite": 50,
+              "variant": "stateful_sized"} for on in (False, True)]
+    plan += [{"name": f"none_at-{'piped' if on else 'plain'}", "pipeline": on, "steps": 12, "none_at": 4}
+             for on in (False, True)]
+    plan += [{"name": f"inplace_ids-{'piped' if on else 'plain'}", "pipeline": on, "steps": 8, "variant": "inplace_ids",
+              "expect_error": True} for on in (False, True)]
     proc = launch(JOB, "--out", str(out), "--fits", json.dumps(plan), run_dir=out / "run", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "log").write_text(proc.stdout + proc.stderr)
@@ -134,14 +141,16 @@ def test_monitor_async_checkpoint_dynamic_shapes_and_compile_cache_work_under_th
 
 @pytest.mark.parametrize(("variant", "reason"), [
     ("rebuilt_kjt", None),  # pipelining is decided per module: this one takes a KJT made in forward
+    ("rank1_rebuilds", None),  # ... on one rank only: no rank pipelines it (they agree once per fit)
     ("before_transfer", "on_before_batch_transfer"),
     ("dataloader_iter", "dataloader_iter"),  # the user fetches: nothing to prepare
+    ("stateful_sized", None),  # not read ahead: its saved state would count the batch read ahead
 ])
 def test_what_cannot_be_pipelined_trains_as_before(fits, variant, reason):
     plain, piped = load(fits, f"{variant}-plain"), load(fits, f"{variant}-piped")
     assert_same_training(plain, piped)
     for facts in piped:
-        assert facts["pipelined_calls"] == 0
+        assert facts["pipelined_calls"] == 0 and facts["prepared_batches"] == 0
         assert (facts["off_reason"] is None) if reason is None else (reason in facts["off_reason"])
 
 
@@ -149,7 +158,30 @@ def test_the_modules_that_are_not_pipelined_are_named_once(fits):
     log = (fits / "log").read_text()
     assert log.count("input distribution is not pipelined: model.sparse_arch.embedding_bag_collection "
                      "(input made in forward)") == 1
+    assert log.count("embedding_bag_collection (its input was not found in another rank's batch)") == 1
     assert log.count("BeforeTransfer overrides on_before_batch_transfer") == 1
+    assert log.count("the training loader is sized and stateful") == 1
+
+
+def test_on_after_batch_transfer_runs_when_the_loop_would_run_it(fits):
+    """A hook that depends on the step sees the step of the batch it transfers, pipelined or not."""
+    plain, piped = load(fits, "after_transfer_step-plain"), load(fits, "after_transfer_step-piped")
+    assert_same_training(plain, piped)
+    assert all(facts["pipelined_calls"] == pipelined_in(12) for facts in piped)
+
+
+def test_a_none_batch_is_skipped_as_lightning_skips_it(fits):
+    plain, piped = load(fits, "none_at-plain"), load(fits, "none_at-piped")
+    assert_same_training(plain, piped)
+    assert all(facts["pipelined_calls"] == pipelined_in(12) - 1 for facts in piped)  # batch 5 was not prepared
+
+
+def test_ids_changed_in_place_after_they_were_sent_are_refused_not_trained_on(fits):
+    for facts in load(fits, "inplace_ids-plain"):
+        assert facts["error"] is None and len(facts["losses"]) == 8
+    for facts in load(fits, "inplace_ids-piped"):
+        assert "were changed in place after they were sent" in facts["error"]
+        assert len(facts["losses"]) == 2  # the first pipelined batch (the third) is refused before its loss
 
 
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])

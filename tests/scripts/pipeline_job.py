@@ -9,8 +9,12 @@ after that batch), ``"resume"`` (the fit whose save to resume from), ``"sharding
 ``"callbacks"`` (ETTMonitor, AsyncCheckpoint every 10 steps, DynamicShapes and CompileCache, the dense
 parts compiled with ``aot_eager``), ``"resume_path"`` (a checkpoint under OUT to resume from),
 ``"variant"``: ``"rebuilt_kjt"`` (forward hands the tables a KJT it builds, so nothing can be distributed
-ahead), ``"before_transfer"`` (an ``on_before_batch_transfer`` hook) or ``"dataloader_iter"``
-(``training_step(dataloader_iter)``).
+ahead), ``"before_transfer"`` (an ``on_before_batch_transfer`` hook), ``"dataloader_iter"``
+(``training_step(dataloader_iter)``), ``"after_transfer_step"`` (an ``on_after_batch_transfer`` that scales the
+dense features by the global step), ``"inplace_ids"`` (``training_step`` folds the ids in place),
+``"rank1_rebuilds"`` (rank 1's forward hands the tables a KJT it builds, rank 0 the batch's) or
+``"stateful_sized"`` (the finite loader with a ``state_dict``); ``"none_at"``: the stream yields None
+there; ``"expect_error"``: a ConfigurationError is recorded, not raised.
 
 The unsized loader is stateful: its state is the number of batches the loop has processed, so a fit
 resumed from a checkpoint reads the batches an uninterrupted one read after that point. Each fit writes
@@ -37,6 +41,7 @@ from sparse_2d_job import held_state
 
 from examples.dlrm_example import DLRMModule
 from lightning_ett import AsyncCheckpoint, CompileCache, DynamicShapes, ETTMonitor, ETTStrategy
+from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.instrument.compile_events import compile_tracker
 
 ROWS, DIM, BATCH = 500, 8, 32
@@ -59,13 +64,14 @@ def make_rows(keys: list[int], rank: int) -> Batch:
 class Stream(IterableDataset):
     """Unsized: batch n holds keys n*BATCH .. (n+1)*BATCH-1, from batch ``start`` on."""
 
-    def __init__(self, rank: int, offset: int = 0) -> None:
-        self.rank, self.offset, self.start = rank, offset, 0
+    def __init__(self, rank: int, offset: int = 0, none_at: int | None = None) -> None:
+        self.rank, self.offset, self.start, self.none_at = rank, offset, 0, none_at
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         n = self.start
         while True:
-            yield make_rows(list(range(self.offset + n * BATCH, self.offset + (n + 1) * BATCH)), self.rank)
+            yield None if n == self.none_at else make_rows(list(range(self.offset + n * BATCH, self.offset + (n + 1) * BATCH)),
+                                                           self.rank)
             n += 1
 
 
@@ -143,7 +149,43 @@ class DataloaderIter(PipelinedDLRM):
         return super().training_step(batch, 0)
 
 
-VARIANTS = {None: PipelinedDLRM, "rebuilt_kjt": RebuiltKJT, "before_transfer": BeforeTransfer,
+class AfterTransferStep(PipelinedDLRM):
+    """A curriculum in on_after_batch_transfer: it must see the step of the batch it transfers."""
+
+    def on_after_batch_transfer(self, batch: Batch, dataloader_idx: int) -> Batch:
+        scale = 1.0 + 0.1 * self.trainer.global_step
+        return Batch(dense_features=batch.dense_features * scale, sparse_features=batch.sparse_features,
+                     labels=batch.labels)
+
+
+class InplaceIds(PipelinedDLRM):
+    """Folds the ids into range in place before the lookup (a no-op on these ids, but an edit in place)."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        batch.sparse_features.values().remainder_(ROWS)
+        return super().training_step(batch, batch_idx)
+
+
+class Rank1Rebuilds(RebuiltKJT):
+    """Rank 1 hands the tables a KJT it builds; rank 0 the batch's own."""
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if self.global_rank == 1:
+            return super().forward(batch)
+        return PipelinedDLRM.forward(self, batch)
+
+
+class StatefulLoader(DataLoader):
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+VARIANTS = {None: PipelinedDLRM, "after_transfer_step": AfterTransferStep, "inplace_ids": InplaceIds,
+            "rank1_rebuilds": Rank1Rebuilds, "stateful_sized": PipelinedDLRM, "rebuilt_kjt": RebuiltKJT,
+            "before_transfer": BeforeTransfer,
             "dataloader_iter": DataloaderIter}
 
 
@@ -180,10 +222,11 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
     model.automatic_optimization = not spec.get("manual")
     rank = trainer.global_rank
     if spec.get("finite"):
-        loader: DataLoader = DataLoader(Samples(spec["finite"] * devices), batch_size=16,
-                                        collate_fn=lambda keys: make_rows(keys, 0))
+        kind = StatefulLoader if spec.get("variant") == "stateful_sized" else DataLoader
+        loader: DataLoader = kind(Samples(spec["finite"] * devices), batch_size=16,
+                                  collate_fn=lambda keys: make_rows(keys, 0))
     else:
-        loader = ResumableLoader(Stream(rank), batch_size=None)
+        loader = ResumableLoader(Stream(rank, none_at=spec.get("none_at")), batch_size=None)
         loader.trainer = trainer
     val = DataLoader(Stream(rank, offset=10**6), batch_size=None) if val_every else None
     resume = str(out / spec["resume"] / "ckpt") if spec.get("resume") else None
@@ -191,14 +234,20 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
         resume = str(out / spec["resume_path"])
     torch._dynamo.reset()  # each fit compiles afresh: its recompiles are its own
     recompiles_before = compile_tracker().recompiles
-    trainer.fit(model, loader, val_dataloaders=val, ckpt_path=resume)
+    error = None
+    try:
+        trainer.fit(model, loader, val_dataloaders=val, ckpt_path=resume)
+    except ConfigurationError as e:
+        if not spec.get("expect_error"):
+            raise
+        error = str(e)
     pipeline = strategy.input_pipeline
     facts = {
         "losses": model.losses, "batch_sizes": model.batch_sizes, "end": held_state(trainer),
         "global_step": trainer.global_step, "recompiles": compile_tracker().recompiles - recompiles_before,
         "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0,
         "prepared_batches": pipeline.prepared_batches if pipeline is not None else 0,
-        "off_reason": pipeline.off_reason if pipeline is not None else None,
+        "off_reason": pipeline.off_reason if pipeline is not None else None, "error": error,
     }
     (out / spec["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(facts, out / spec["name"] / f"rank{rank}.pt")
