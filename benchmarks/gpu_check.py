@@ -1021,6 +1021,20 @@ def _start_ranks(run: Run, name: str, params: dict[str, Any], ranks: int, env: d
     return procs
 
 
+def torchrec_missing(run: Run, sec: Section, check: str, detail: str) -> bool:
+    """TorchRec or fbgemm absent (or blocked by ``--without-torchrec``, as on the GPU image): say so, ``check`` n/a."""
+    try:
+        if run.args.without_torchrec:
+            raise ImportError(name="torchrec")
+        import fbgemm_gpu  # noqa: F401
+        import torchrec  # noqa: F401
+    except ImportError as e:
+        sec.row("status", f"not run: {e.name} is not installed (the GPU image has neither TorchRec nor fbgemm)")
+        sec.check(check, None, detail)
+        return True
+    return False
+
+
 def section_kernels_2d(run: Run, sec: Section) -> None:
     """Issue #32's decision to refuse ``fused_uvm_caching`` in 2D, where TorchRec and fbgemm (CUDA) are installed.
 
@@ -1029,14 +1043,8 @@ def section_kernels_2d(run: Run, sec: Section) -> None:
     after a training step of a ``MANAGED_CACHING`` table, ``split_embedding_weights()`` (what a replica sync
     averages) differs from the rows after ``flush()`` — the updated rows were only in the HBM cache.
     """
-    try:
-        if run.args.without_torchrec:
-            raise ImportError(name="torchrec")  # as on the GPU image
-        import fbgemm_gpu  # noqa: F401
-        import torchrec  # noqa: F401
-    except ImportError as e:
-        sec.row("status", f"not run: {e.name} is not installed (the GPU image has neither TorchRec nor fbgemm)")
-        sec.check("2D refuses fused_uvm_caching", None, "n/a without TorchRec; tests/test_sparse_2d_config.py plans it on CPU")
+    if torchrec_missing(run, sec, "2D refuses fused_uvm_caching",
+                        "n/a without TorchRec; tests/test_sparse_2d_config.py plans it on CPU"):
         return
     import torch
     from torchrec.distributed.planner import Topology
@@ -1089,14 +1097,7 @@ def section_kernels_2d(run: Run, sec: Section) -> None:
 def section_pipeline(run: Run, sec: Section) -> None:
     """Issue #33 on the device: ETTStrategy (input distribution pipelined, on CUDA on side streams) against
     ``TrainPipelineSparseDist`` and against itself unpipelined, where TorchRec and fbgemm are installed."""
-    try:
-        if run.args.without_torchrec:
-            raise ImportError(name="torchrec")  # as on the GPU image
-        import fbgemm_gpu  # noqa: F401
-        import torchrec  # noqa: F401
-    except ImportError as e:
-        sec.row("status", f"not run: {e.name} is not installed (the GPU image has neither TorchRec nor fbgemm)")
-        sec.check("the pipeline engaged on the device", None, "n/a without TorchRec")
+    if torchrec_missing(run, sec, "the pipeline engaged on the device", "n/a without TorchRec"):
         return
     import torch
 

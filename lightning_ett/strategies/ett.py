@@ -41,7 +41,6 @@ from lightning_ett.instrument.background import BackgroundTask
 from lightning_ett.instrument.timeline import SPARSE_2D_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
-from lightning_ett.strategies.input_pipeline import NOTHING, SparseInputPipeline
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
@@ -194,7 +193,7 @@ class ETTStrategy(ParallelStrategy):
         self._groups: ShardingGroups | None = None
         self.replica_sync: ReplicaSync | None = None
         self.pipeline = pipeline
-        self.input_pipeline: SparseInputPipeline | None = None
+        self.input_pipeline: Any = None  # a SparseInputPipeline while fitting (and after, for its counts)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -464,8 +463,8 @@ class ETTStrategy(ParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if self.input_pipeline is not None and self.lightning_module is not None:
-            prepared = self.input_pipeline.take(batch, self.lightning_module, dataloader_idx)  # ids already in flight
-            if prepared is not NOTHING:
+            taken, prepared = self.input_pipeline.take(batch, self.lightning_module, dataloader_idx)
+            if taken:  # on the device since the last step, its ids already sent
                 return prepared
         return super().batch_to_device(batch, device, dataloader_idx)
 
@@ -618,8 +617,14 @@ class ETTStrategy(ParallelStrategy):
         # Lightning has registered its signal handlers by now.
         self._sigterm = sigterm.install(self.lightning_module.trainer, self._patches)  # no collective + .item() per step
         if self.pipeline and self._dmp is not None:
-            self.input_pipeline = SparseInputPipeline(self._dmp, self.root_device, self._all_ranks_agree)
-            self.input_pipeline.attach(self.lightning_module.trainer)
+            try:  # TorchRec's train-pipeline parts, as of the tested 1.9 (older releases laid them out otherwise)
+                from lightning_ett.strategies.input_pipeline import SparseInputPipeline
+            except ImportError as e:
+                rank_zero_warn(f"ETTStrategy(pipeline=True): this TorchRec lacks the train-pipeline parts the pipeline "
+                               f"uses ({e}); training unpipelined. Tested with torchrec 1.9.")
+            else:
+                self.input_pipeline = SparseInputPipeline(self._dmp, self.root_device, self._all_ranks_agree)
+                self.input_pipeline.attach(self.lightning_module.trainer)
 
     def _all_ranks_agree(self, flags: list[bool]) -> list[bool]:
         """Each flag AND-ed over all ranks (one small all-reduce, on the device the process group serves)."""

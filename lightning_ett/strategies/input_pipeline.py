@@ -325,11 +325,11 @@ class SparseInputPipeline:
         return bool(self._forwards)
 
     # ----------------------------------------------------------------- the loop's calls, in order
-    def take(self, batch: Any, module: pl.LightningModule, dataloader_idx: int) -> Any:
-        """``batch_to_device``: the prepared device batch, through ``on_after_batch_transfer`` now (when the
-        unpipelined loop would run it), if ``batch`` is the one prepared; else ``NOTHING``."""
+    def take(self, batch: Any, module: pl.LightningModule, dataloader_idx: int) -> tuple[bool, Any]:
+        """``batch_to_device``: ``(True, the prepared device batch)`` through ``on_after_batch_transfer`` now (when
+        the unpipelined loop would run it), if ``batch`` is the one prepared; else ``(False, None)``."""
         if self.next is None or self.next.source is not batch:
-            return NOTHING
+            return False, None
         prepared, self.next = self.next, None
         if self.copy_stream is not None and self.dist_stream is not None:
             current_stream = torch.cuda.current_stream(self.device)
@@ -338,7 +338,7 @@ class SparseInputPipeline:
             record_stream(prepared.batch, current_stream)
         prepared.batch = module._call_batch_hook("on_after_batch_transfer", prepared.batch, dataloader_idx)
         self.current = prepared
-        return prepared.batch
+        return True, prepared.batch
 
     def before_step(self, trainer: pl.Trainer, batch: Any) -> None:
         """``training_step`` of ``batch``: point the forwards at its distribution and prepare the next batch."""
