@@ -627,21 +627,14 @@ class ETTStrategy(ParallelStrategy):
                 self.input_pipeline.attach(self.lightning_module.trainer)
 
     def _all_ranks_agree(self, flags: list[bool]) -> list[bool]:
-        """Each flag AND-ed over all ranks (one small all-reduce, on the device the process group serves)."""
+        """Each flag AND-ed over all ranks (a MIN all-reduce on the device the process group serves)."""
         tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=self.root_device)
-        if _distributed_is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return [bool(value) for value in tensor.tolist()]
-
-    def _detach_pipeline(self) -> None:
-        """Wait for the input distribution in flight (a batch prepared past the last step) and put the modules'
-        forwards back, for whatever runs after fit."""
-        if self.input_pipeline is not None:
-            self.input_pipeline.detach()  # kept: its counts describe the fit that ended
+        return [bool(value) for value in self.reduce(tensor, reduce_op="min").tolist()]
 
     @override
     def on_train_end(self) -> None:
-        self._detach_pipeline()
+        if self.input_pipeline is not None:  # wait for a batch prepared past the last step; forwards back for eval
+            self.input_pipeline.detach()  # kept: its counts describe the fit that ended
         self.sync_replicas()  # 2D: what fit leaves behind (eval, predict, a final save) is one model
         if self.replica_sync is not None and self._groups is not None and self.is_global_zero:
             sync = self.replica_sync

@@ -68,26 +68,36 @@ SEARCH_DEPTH = 4
 NOTHING = object()  #: "no batch": the end of an epoch, or a batch that was not prepared
 
 
+#: What a batch walk does not look inside: values, tensors, KJTs (found or recorded whole), modules.
+_LEAVES = (torch.Tensor, KeyedJaggedTensor, str, bytes, int, float, nn.Module)
+
+
+def _parts(batch: Any, private: bool) -> list[tuple[bool, Any, Any]]:
+    """A batch's parts as ``(by_key, key, part)``: mapping items and sequence items by key, dataclass fields and
+    attributes (``_``-prefixed ones only if ``private``) by name. The one rule both walks below follow."""
+    if isinstance(batch, _LEAVES):
+        return []
+    if isinstance(batch, Mapping):
+        return [(True, k, v) for k, v in batch.items()]
+    if isinstance(batch, (list, tuple)):
+        return [(True, i, v) for i, v in enumerate(batch)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [(False, f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)]
+    if hasattr(batch, "__dict__"):
+        return [(False, k, v) for k, v in vars(batch).items() if private or not k.startswith("_")]
+    return []
+
+
 def find_in_batch(batch: Any, target: object, depth: int = SEARCH_DEPTH) -> ArgInfo | None:
     """The path (attributes, keys, indices) from ``batch`` to the very object ``target``, or None."""
     if batch is target:
         return ArgInfo(steps=[])
-    if depth == 0 or isinstance(batch, (torch.Tensor, KeyedJaggedTensor, str, bytes, int, float, nn.Module)):
+    if depth == 0:
         return None
-    if isinstance(batch, Mapping):
-        children = [(ArgInfoStepFactory.get_item(k), v) for k, v in batch.items()]
-    elif isinstance(batch, (list, tuple)):
-        children = [(ArgInfoStepFactory.get_item(i), v) for i, v in enumerate(batch)]
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        children = [(ArgInfoStepFactory.get_attr(f.name), getattr(batch, f.name)) for f in dataclasses.fields(batch)]
-    elif hasattr(batch, "__dict__"):
-        children = [(ArgInfoStepFactory.get_attr(k), v) for k, v in vars(batch).items() if not k.startswith("_")]
-    else:
-        return None
-    for step, child in children:
-        found = find_in_batch(child, target, depth - 1)
+    for by_key, key, part in _parts(batch, private=False):
+        found = find_in_batch(part, target, depth - 1)
         if found is not None:
-            return found.add_step(step)
+            return found.add_step(ArgInfoStepFactory.get_item(key) if by_key else ArgInfoStepFactory.get_attr(key))
     return None
 
 
@@ -166,8 +176,8 @@ def next_raw_batch(fetcher: Any, read_ahead: bool) -> Any:
 def record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
     """Tell the caching allocator that ``stream`` uses the batch's CUDA tensors (made on another stream).
 
-    Walks containers, dataclass fields, attributes and KJTs itself: ``Tensor.record_stream`` exists
-    for CUDA tensors only, and a batch may keep some on the host.
+    Walks the batch itself, private attributes too: ``Tensor.record_stream`` exists for CUDA tensors
+    only, and a batch may keep some on the host.
     """
     if isinstance(batch, torch.Tensor):
         if batch.is_cuda:
@@ -175,18 +185,9 @@ def record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
     elif isinstance(batch, KeyedJaggedTensor):
         for tensor in _kjt_tensors(batch):
             record_stream(tensor, stream)
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            record_stream(value, stream)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            record_stream(value, stream)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            record_stream(getattr(batch, f.name), stream)
-    elif hasattr(batch, "__dict__") and not isinstance(batch, nn.Module):
-        for value in vars(batch).values():
-            record_stream(value, stream)
+    else:
+        for _, _, part in _parts(batch, private=True):
+            record_stream(part, stream)
 
 
 def _kjt_tensors(kjt: KeyedJaggedTensor) -> list[torch.Tensor]:
@@ -280,12 +281,13 @@ class SparseInputPipeline:
         self._forwards: dict[str, ModuleForward] = {}
         self._pipelined: list[ShardedModule] = []  # what _start_data_dist runs, in a fixed order
         self._pipelined_names: list[str] = []
-        self._splits_swaps: list[tuple[Any, Any, Any]] | None = None  # (KJT all-to-all, its forward, the fusing one)
-        self._kjt_dists_own_forward: list[bool] = []
+        # (KJT all-to-all, its forward, the fusing one, whether that forward was its own attribute)
+        self._splits_swaps: list[tuple[Any, Any, Any, bool]] | None = None
         self.observing = False
         self.current: Prepared | None = None  # the batch this step trains on, if it was prepared
         self.next: Prepared | None = None
         self._step_batch: Any = NOTHING
+        self._default_transfer = True  # Lightning's transfer_batch_to_device (set at attach)
         self._read_ahead: bool | None = None  # may a sized loader be read one batch ahead (decided at first use)
         self._said: set[str] = set()
         self.pipelined_calls = 0  # sharded forwards that used a distribution started a step ahead
@@ -299,6 +301,8 @@ class SparseInputPipeline:
         if self.off_reason is not None:
             rank_zero_info(f"ETTStrategy(pipeline=True): the sparse input distribution is not pipelined: {self.off_reason}.")
             return
+        self._default_transfer = not any(owner is not None and is_overridden("transfer_batch_to_device", owner)
+                                         for owner in (trainer.lightning_module, trainer.datamodule))
         for name, module in self._modules.items():
             forward = ModuleForward(name, module, self)
             self._forwards[name] = forward
@@ -317,7 +321,7 @@ class SparseInputPipeline:
         self._unswap_splits()
         self._patches.undo()
         self._forwards.clear()
-        self._pipelined, self._pipelined_names, self._splits_swaps, self._kjt_dists_own_forward = [], [], None, []
+        self._pipelined, self._pipelined_names, self._splits_swaps = [], [], None
         self.observing = False
 
     @property
@@ -408,9 +412,7 @@ class SparseInputPipeline:
         copies a TorchRec batch blocking; a ``Pipelineable`` batch is copied ``non_blocking`` as TorchRec does."""
         stream = torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
         with stream:
-            own = [owner for owner in (module, module.trainer.datamodule)
-                   if owner is not None and is_overridden("transfer_batch_to_device", owner)]
-            if not own and isinstance(raw, Pipelineable):
+            if self._default_transfer and isinstance(raw, Pipelineable):
                 return raw.to(device=self.device, non_blocking=True)
             return module._call_batch_hook("transfer_batch_to_device", raw, self.device, 0)
 
@@ -431,16 +433,16 @@ class SparseInputPipeline:
         """Swap the KJT all-to-alls for TorchRec's ``KJTAllToAllForward``, which returns the split sizes as
         metadata so that ``_start_data_dist`` sends all modules' in one all-to-all (made once, then swapped)."""
         if self._splits_swaps is None:
-            self._kjt_dists_own_forward = ["forward" in vars(kjt_dist) for kjt_dist in _kjt_dists(self._pipelined)]
+            own = ["forward" in vars(kjt_dist) for kjt_dist in _kjt_dists(self._pipelined)]
             originals = _override_input_dist_forwards(self._pipelined)
-            self._splits_swaps = [(kjt_dist, original, kjt_dist.forward)
-                                  for kjt_dist, original in zip(_kjt_dists(self._pipelined), originals, strict=True)]
-        for kjt_dist, original, fused in self._splits_swaps:
+            self._splits_swaps = [(kjt_dist, original, kjt_dist.forward, had_own) for kjt_dist, original, had_own
+                                  in zip(_kjt_dists(self._pipelined), originals, own, strict=True)]
+        for kjt_dist, original, fused, _ in self._splits_swaps:
             kjt_dist.forward = fused if on else original
 
     def _unswap_splits(self) -> None:
         """The KJT all-to-alls exactly as before (their class's forward, unless they had their own)."""
-        for (kjt_dist, original, _), own in zip(self._splits_swaps or [], self._kjt_dists_own_forward, strict=True):
+        for kjt_dist, original, _, own in self._splits_swaps or []:
             if own:
                 kjt_dist.forward = original
             else:
