@@ -104,6 +104,24 @@ class AsyncCheckpoint(Checkpoint):
             above ``3/W`` at 95 %), so a young job saves often and an old one rarely.
         max_interval_minutes: ``"auto"`` only: save at least this often, however rare failures
             are. (The shortest interval is automatic: 1.25 write durations, so saves never pile up.)
+        incremental: between full saves, write only the rows of the sharded tables (and of
+            their fused optimizer states: row-wise AdaGrad's sums, Adam's moments) that changed
+            since the previous save, plus the whole dense state (ETTStrategy only; other
+            strategies hold no sharded tables, and every save stays full). Changed rows are
+            found by comparing with the previous save's copy, byte for byte, so resuming from a
+            full save plus its deltas is exactly resuming from a full save of that step, on any
+            world size or sharding. Costs a second set of staging buffers for the sharded tables
+            (host RAM) and one comparison pass in the writer thread. Chain policy, consecutive
+            deltas (each against the previous save): they write the fewest bytes (a row changed
+            in every interval is written once per save, as a one-shot differential against the
+            last full save would too, but a row changed once is written once, where the
+            differential writes it again at every later save), at the price of reading the
+            chain on restore. So a new full save is written once the chain's deltas add up to
+            half a full save (measured: the committed bytes), which bounds a restore to 1.5
+            full saves' bytes. ``False`` (default) until the benchmark settles it (see
+            ``benchmarks/README.md``).
+        full_every_n_saves: with ``incremental``: every N-th save is full, whatever the chain's
+            size (``None``: by the measured size, as above).
 
     ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
     write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``,
@@ -127,6 +145,8 @@ class AsyncCheckpoint(Checkpoint):
         mtbf_hours: float | None = None,
         max_interval_minutes: float = 60.0,
         overlap_staging: bool = True,
+        incremental: bool = False,
+        full_every_n_saves: int | None = None,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
             raise ConfigurationTypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
@@ -162,6 +182,15 @@ class AsyncCheckpoint(Checkpoint):
             raise ConfigurationError(f"AsyncCheckpoint(when_busy={when_busy!r}): expected 'skip' or 'wait'.")
         if not isinstance(overlap_staging, bool):
             raise ConfigurationTypeError(f"AsyncCheckpoint(overlap_staging={overlap_staging!r}): expected True or False.")
+        if not isinstance(incremental, bool):
+            raise ConfigurationTypeError(f"AsyncCheckpoint(incremental={incremental!r}): expected True or False.")
+        if full_every_n_saves is not None and (not isinstance(full_every_n_saves, int)
+                                               or isinstance(full_every_n_saves, bool) or full_every_n_saves < 1):
+            raise ConfigurationError(f"AsyncCheckpoint(full_every_n_saves={full_every_n_saves!r}): expected an int >= 1 "
+                                     "(1: every save full), or None to start a new full save by the chain's measured size.")
+        if full_every_n_saves is not None and not incremental:
+            raise ConfigurationError(f"AsyncCheckpoint(full_every_n_saves={full_every_n_saves!r}) applies only to "
+                                     "incremental saves: pass incremental=True too, or drop it.")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.auto = auto
@@ -174,6 +203,12 @@ class AsyncCheckpoint(Checkpoint):
         self.resume = resume
         self.verify_checksums = verify_checksums
         self.overlap_staging = overlap_staging
+        self.incremental = incremental
+        self.full_every_n_saves = full_every_n_saves
+        # rank 0: the chain since the last full save, from committed results (a restart starts with a full save)
+        self._full_bytes = 0
+        self._chain_bytes = 0
+        self._deltas_in_chain = 0
         # resumable state
         self.last_saved_step = -1
         self.saves = 0
@@ -227,6 +262,10 @@ class AsyncCheckpoint(Checkpoint):
         self._group = group
         self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
                                         device=trainer.strategy.root_device)
+        self._full_bytes = self._chain_bytes = self._deltas_in_chain = 0
+        if self.incremental and not collective:
+            rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
+                           "tables, so every save is full. Incremental saves need ETTStrategy.")
         self._crashed = False
         self._last_save_time = time.monotonic()
         self._best_model_path = ""
@@ -427,6 +466,7 @@ class AsyncCheckpoint(Checkpoint):
         step = trainer.global_step
         start = time.perf_counter()
         with record_phase(Phase.CHECKPOINT_SAVE, step):
+            self._report(trainer, self._writer.poll())  # one that finished since this step's poll: the chain counts it
             busy, error = self._writer.status()
             interval = 0.0
             if self.auto and trainer.is_global_zero:
@@ -447,8 +487,6 @@ class AsyncCheckpoint(Checkpoint):
                 return
             if busy:
                 self._wait_agreed(trainer)
-            else:
-                self._report(trainer, self._writer.poll())  # one that finished since this step's poll: its only report
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             split = getattr(trainer.strategy, "dcp_checkpoint_tensors", None)
             if callable(split):
@@ -458,8 +496,13 @@ class AsyncCheckpoint(Checkpoint):
                 tensors = {"model": checkpoint.pop("state_dict")} if trainer.is_global_zero else None
             if tensors is not None:  # (replicated state: rank 0 writes it all)
                 late = self._late_storages(trainer) if self.overlap_staging and not final else set()
-                self._snapshot = self._stager.stage({"dcp": tensors, "meta": checkpoint}, late)
-                self._writer.submit(self._snapshot, step, boundary_s=time.perf_counter() - start)
+                state = {"dcp": tensors, "meta": checkpoint}
+                full = True
+                if self.incremental and callable(split):  # every rank is here; any rank's "full" wins
+                    (full,) = self._agree(trainer, not (self._delta_due(trainer) and self._stager.can_diff(state)))
+                self._snapshot = self._stager.stage(state, late, keep_base=self.incremental, as_delta=not full)
+                self._writer.submit(self._snapshot, step, boundary_s=time.perf_counter() - start,
+                                    on_committed=self._stager.mark_base if self.incremental else None)
             self._verify_after = step
             self.cadence.save_started()
         for listener in list(self._listeners):
@@ -467,6 +510,17 @@ class AsyncCheckpoint(Checkpoint):
         self.last_saved_step = step
         self.saves += 1
         self._last_save_time = time.monotonic()
+
+    def _delta_due(self, trainer: pl.Trainer) -> bool:
+        """May this save be a delta? This rank holds the last committed save's tables (same layout), and on rank 0
+        the chain is short enough (``full_every_n_saves``, else its measured bytes below half a full save)."""
+        if not self._stager.has_base:
+            return False
+        if not trainer.is_global_zero:
+            return True  # rank 0 decides the chain's length; its "full" wins in the agreement
+        if self.full_every_n_saves is not None:
+            return self._deltas_in_chain + 1 < self.full_every_n_saves
+        return self._full_bytes > 0 and self._chain_bytes < _MAX_CHAIN_FRACTION * self._full_bytes
 
     def _late_storages(self, trainer: pl.Trainer) -> set[int]:
         """What may be copied after the boundary: parameters and optimizer states (nothing else changes before
@@ -516,6 +570,13 @@ class AsyncCheckpoint(Checkpoint):
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
                    "checkpoint/overlapped_bytes": float(result.overlapped_bytes)}
+        if result.incremental:
+            self._chain_bytes += result.bytes
+            self._deltas_in_chain += 1
+            metrics["checkpoint/rows_changed_fraction"] = result.rows_changed / max(result.rows_compared, 1)
+        else:
+            self._full_bytes, self._chain_bytes, self._deltas_in_chain = result.bytes, 0, 0
+        metrics["checkpoint/incremental"] = float(result.incremental)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
         metrics["checkpoint/save_cost_s"] = cost
         decision = self._decide()
@@ -527,7 +588,10 @@ class AsyncCheckpoint(Checkpoint):
                                 "checkpoint/predicted_overhead": decision.predicted_overhead})
             get_timeline().fact(CADENCE_FACT, **fields)
         log_to_loggers(trainer, metrics)
-        rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({result.bytes / 2**20:.1f} MiB; "
+        kind = (f"a delta: {result.rows_changed} of {result.rows_compared} table rows, "
+                if result.incremental else "")
+        rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({kind}"
+                       f"{result.bytes / 2**20:.1f} MiB; "
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
                        f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB, of which "
                        f"{result.overlapped_bytes / 2**20:.1f} MiB copied while the next step ran)")
@@ -633,6 +697,9 @@ def _past_failures() -> int:
         return 0
 
 
+#: incremental: a new full save once the chain's deltas reach this fraction of a full save's bytes
+#: (a restore then reads at most 1 + this many full saves' bytes).
+_MAX_CHAIN_FRACTION = 0.5
 _EXCEPTION_WAIT_S = 120.0  # after a crash, a save in flight gets this long to finish (a dead peer may block it)
 
 

@@ -15,6 +15,15 @@ A checkpoint is a directory:
 
 AsyncCheckpoint names its checkpoints ``step-<global step>`` and keeps ``latest`` pointing at
 the newest; ``trainer.save_checkpoint`` keeps the name it is given.
+
+An *incremental* checkpoint (``AsyncCheckpoint(incremental=True)``) holds the dense state in
+full and, in ``delta-rank<r>.pt``, only the rows of the sharded tensors that changed since the
+previous checkpoint (:mod:`lightning_ett.checkpoint.delta`). Its manifest names its *chain*:
+the full checkpoint it builds on and every delta between, each with its commit number. It is
+complete only if every member of its chain is still there, unchanged (same commit number) and
+complete itself: a corrupt or missing delta makes every later one of its chain incomplete, so
+resuming falls back to the newest valid prefix, and retention never deletes a member of a kept
+checkpoint's chain.
 """
 
 from __future__ import annotations
@@ -47,8 +56,30 @@ def checkpoint_name(step: int) -> str:
 
 
 def verify(directory: Path, checksums: bool = True) -> str | None:
-    """``None`` if ``directory`` is a complete checkpoint, else what is wrong with it, naming the file."""
-    return manifest.verify(directory, FORMAT, checksums)
+    """``None`` if ``directory`` is a complete checkpoint (with its whole chain), else what is wrong, naming the file."""
+    problem = manifest.verify(directory, FORMAT, checksums)
+    if problem is not None:
+        return problem
+    for link in chain_links(read_manifest(directory, FORMAT) or {}):
+        member = directory.parent / link["name"]
+        seq = (read_manifest(member, FORMAT) or {}).get("seq")
+        if seq != link["seq"]:
+            found = "is missing" if not member.is_dir() else f"was replaced (commit {seq}, the chain needs {link['seq']})"
+            return f"the checkpoint it builds on, {link['name']}, {found}"
+        if (problem := manifest.verify(member, FORMAT, checksums)) is not None:
+            return f"the checkpoint it builds on, {link['name']}, is damaged: {problem}"
+    return None
+
+
+def chain_links(fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """An incremental checkpoint's manifest's chain: ``[{"name", "seq"}, ...]``, its full save first ([] for a full one)."""
+    links = fields.get("chain") or []
+    return [link for link in links if isinstance(link, dict) and "name" in link and "seq" in link]
+
+
+def chain_of(path: Path) -> list[Path]:
+    """The directories to restore ``path`` from, its full save first and ``path`` last (``[path]`` for a full one)."""
+    return [path.parent / link["name"] for link in chain_links(read_manifest(path, FORMAT) or {})] + [path]
 
 
 @dataclass(frozen=True)
@@ -56,6 +87,7 @@ class CheckpointEntry:
     path: Path
     step: int
     seq: int  # commit number: later commits are newer, whatever their step
+    chain: tuple[str, ...] = ()  # an incremental checkpoint's: the names it needs to be restored
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
@@ -66,8 +98,10 @@ def committed(root: Path) -> list[CheckpointEntry]:
     for d in root.iterdir():
         m = _NAME.match(d.name)
         if m and d.is_dir() and (d / MANIFEST_FILE).is_file():
-            seq = (read_manifest(d, FORMAT) or {}).get("seq")
-            entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0))
+            fields = read_manifest(d, FORMAT) or {}
+            seq = fields.get("seq")
+            entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0,
+                                           tuple(link["name"] for link in chain_links(fields))))
     return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
@@ -86,14 +120,17 @@ def newest_complete(root: Path, checksums: bool = True) -> Path | None:
 
 
 def to_delete(entries: list[CheckpointEntry], keep_last_n: int | None) -> list[CheckpointEntry]:
-    """Retention: the checkpoints beyond the ``keep_last_n`` newest commits, except pinned ones.
+    """Retention: the checkpoints beyond the ``keep_last_n`` newest commits, except pinned ones and chain members.
 
     ``entries`` are oldest commit first and end with the newest, which is never returned. A
-    checkpoint ModelPublisher has pinned (:data:`PIN_FILE`) stays until it is unpinned.
+    checkpoint ModelPublisher has pinned (:data:`PIN_FILE`) stays until it is unpinned, and so
+    does every checkpoint a kept one is built on (its full save and the deltas between).
     """
     if keep_last_n is None:
         return []
-    return [e for e in entries[:-keep_last_n] if not (e.path / PIN_FILE).exists()]
+    kept = entries[-keep_last_n:] + [e for e in entries[:-keep_last_n] if (e.path / PIN_FILE).exists()]
+    needed = {e.path.name for e in kept} | {name for e in kept for name in e.chain}
+    return [e for e in entries[:-keep_last_n] if e.path.name not in needed]
 
 
 def looks_like_checkpoint(path: str | os.PathLike) -> bool:
@@ -131,16 +168,21 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int,
-                      known: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+                      known: dict[str, tuple[int, int]] | None = None,
+                      chain: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Rank 0, once every rank's DCP files are in ``tmp``: write ``lightning.pt``, number the commit, commit.
 
     The commit number orders checkpoints by when they were made, not by step: after a
     roll-back (fit from an older checkpoint) the new line of checkpoints is the newest. Both
     save paths (``trainer.save_checkpoint`` under ETTStrategy, AsyncCheckpoint's writer) end here.
+    ``chain``: an incremental checkpoint's (see :func:`chain_links`).
     """
     torch.save(meta, tmp / META_FILE)
     seq = next_seq(committed(final.parent))
-    return commit_directory(tmp, final, FORMAT, {"global_step": step, "time": time.time(), "seq": seq}, known=known)
+    fields: dict[str, Any] = {"global_step": step, "time": time.time(), "seq": seq}
+    if chain:
+        fields.update(kind="delta", chain=chain)
+    return commit_directory(tmp, final, FORMAT, fields, known=known)
 
 
 def load_unsharded(path: str | os.PathLike) -> dict[str, Any]:
@@ -149,7 +191,7 @@ def load_unsharded(path: str | os.PathLike) -> dict[str, Any]:
     The model's tensors are read in full (no target state dict needed), so any strategy
     that keeps a full copy of the model (single device, DDP) can load it.
     """
-    from lightning_ett.checkpoint.dcp_io import read_whole
+    from lightning_ett.checkpoint.chain import read_whole
 
     path = require_complete(path)
     checkpoint = read_meta(path)

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_ett.checkpoint import dcp_io
+from lightning_ett.checkpoint import chain, dcp_io
 from lightning_ett.checkpoint.layout import commit_checkpoint, read_meta, require_complete
 from lightning_ett.checkpoint.writer import CheckpointWriteError
 from lightning_ett.durable.commit import discard_unfinished, temp_path
@@ -109,7 +109,7 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> None:
     target = {"model": model.state_dict()}
-    dcp_io.load_into(target, Path(path))
+    chain.load_into(target, Path(path))
     model.load_state_dict(target["model"], strict=strict)
 
 
@@ -118,7 +118,7 @@ def load_fused(path: str | os.PathLike, fused: Any) -> None:
         fused.init_state()  # KeyedOptimizer state is lazy: build it, or DCP has no targets to fill
     target = {"fused": fused.state_dict()}
     try:
-        dcp_io.load_into(target, Path(path))
+        chain.load_into(target, Path(path))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         cause = root_cause(e)
         if "Size mismatch" not in str(cause):

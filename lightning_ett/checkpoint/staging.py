@@ -37,6 +37,13 @@ future, so the loop must block the host before queueing a mutation. The buffers 
 DCP's own helper (``_create_cpu_state_dict``, which knows ShardedTensor and DTensor), one per
 tensor leaf, and are rebuilt only when those tensors change (an optimizer that creates its
 state lazily), never for non-tensor state such as a list in a callback's state that grows.
+
+For incremental saves (``AsyncCheckpoint(incremental=True)``) the stager also keeps the
+*base*: the sharded tensors' buffers of the last committed save. A new snapshot's sharded
+tensors go into a second set of buffers, so the writer can compare the two and write only the
+rows that changed (:mod:`lightning_ett.checkpoint.delta`); once the new save is committed its
+buffers become the base (:meth:`Stager.mark_base`). A save that fails or is void leaves the base
+as it was, so the next delta is still against what is on disk.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
+
+from lightning_ett.checkpoint.delta import is_sharded
 
 #: Where shared memory (``share_memory_``) lives on Linux.
 SHARED_MEMORY_DIR = "/dev/shm"
@@ -165,8 +174,13 @@ class Snapshot:
     """
 
     def __init__(self, state: dict[str, Any], late: list[tuple[str, torch.Tensor, torch.Tensor, int]],
-                 boundary: Any | None) -> None:
+                 boundary: Any | None, previous: dict[int, Any] | None = None,
+                 sharded_buffers: dict[int, Any] | None = None, generation: int = 0) -> None:
         self.state = state
+        #: incremental: ``id(staged sharded leaf)`` → the base's buffer of it (None: no base, a full save)
+        self.previous = previous
+        self.sharded_buffers = sharded_buffers or {}  # leaf index → this snapshot's buffer (the next base)
+        self.generation = generation
         self._late = late
         self._boundary = boundary  # CUDA event on the compute stream at the due step's boundary
         self._copied_event: Any | None = None  # CUDA event after the late copies, on the side stream
@@ -285,21 +299,48 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: list[Any] | None = None
         self._signature: list[tuple[Any, ...]] = []
+        self._generation = 0  # bumped at every allocation: a base from older buffers is no base
+        self._pinned = self._shared = False
+        self._sharded: list[int] = []  # indices of the sharded leaves (tables and their optimizer states)
+        self._base: dict[int, Any] = {}  # incremental: their buffers holding the last committed save
+        self._spare: dict[int, Any] = {}
         self.nbytes = 0  # staging memory currently held (host RAM, pinned on CUDA)
 
-    def stage(self, state: dict[str, Any], late_storages: set[int] | None = None) -> Snapshot:
+    @property
+    def has_base(self) -> bool:
+        """A committed save's sharded tensors are held, so the next save can be a delta against them."""
+        return bool(self._sharded) and all(i in self._base for i in self._sharded)
+
+    def can_diff(self, state: dict[str, Any]) -> bool:
+        """A delta of ``state`` against the base is possible: there is one, and the state still fits its buffers."""
+        return self.has_base and _signature(state) == self._signature
+
+    def stage(self, state: dict[str, Any], late_storages: set[int] | None = None, keep_base: bool = False,
+              as_delta: bool = False) -> Snapshot:
         """Copy ``state`` into the buffers: now, except tensors whose storage is in ``late_storages``.
 
         Those are copied by :meth:`Snapshot.copy_late` (the writer thread); until then the caller
         must not mutate them and must call :meth:`Snapshot.settle` before it does. The caller
         must not stage again before the writer has finished with the previous snapshot
         (AsyncCheckpoint keeps at most one save in flight).
+
+        ``keep_base``: the sharded tensors go into buffers other than the base's (incremental
+        saves; see :meth:`mark_base`). ``as_delta``: the snapshot carries the base to diff
+        against (only if :attr:`has_base` and the buffers were not reallocated).
         """
         signature = _signature(state)
         cuda = any(entry[3] == "cuda" for entry in signature)
         if self._buffers is None or signature != self._signature:
             self._allocate(list(_leaves(state)), signature, cuda)
         assert self._buffers is not None
+        if keep_base:
+            for i in self._sharded:
+                if self._base.get(i) is self._buffers[i]:
+                    spare = self._spare.pop(i, None)
+                    self._buffers[i] = spare if spare is not None else self._buffer_like(self._base[i])
+        previous = None
+        if as_delta and self.has_base:
+            previous = {id(self._buffers[i]): self._base[i] for i in self._sharded}
         plan = _Plan(self._buffers, late_storages or set())
         staged = plan.pair(state, "")
         for src, dst in plan.now:
@@ -308,17 +349,46 @@ class Stager:
         if cuda:
             boundary = torch.cuda.Event()
             boundary.record(torch.cuda.current_stream())
-        return Snapshot(staged, plan.late, boundary)
+        return Snapshot(staged, plan.late, boundary, previous, {i: self._buffers[i] for i in self._sharded},
+                        self._generation)
+
+    def mark_base(self, snapshot: Snapshot) -> None:
+        """``snapshot`` was committed (on every rank): its sharded buffers are the base of the next delta.
+
+        Writer thread; the training thread does not stage while a save is in flight.
+        """
+        if snapshot.generation != self._generation:
+            return  # the buffers were reallocated since (the state's shapes changed)
+        for i, buffer in snapshot.sharded_buffers.items():
+            old = self._base.get(i)
+            if old is not None and old is not buffer:
+                self._spare[i] = old
+            self._base[i] = buffer
+        self.nbytes = state_nbytes(self._buffers) + state_nbytes(list(self._spare.values())) + state_nbytes(
+            [b for i, b in self._base.items() if b is not self._buffers[i]])
+
+    def _buffer_like(self, buffer: Any) -> Any:
+        """A second buffer of the same layout (the new snapshot's, while the base keeps the old one)."""
+        if _wraps_shards(buffer):
+            made = _shards_buffer(buffer, self._pinned, self._shared)
+        else:
+            made = _create_cpu_state_dict({0: buffer}, pin_memory=self._pinned, share_memory=self._shared)[0]
+        self.nbytes += state_nbytes([made])
+        return made
 
     def _allocate(self, leaves: list[Any], signature: list[tuple[Any, ...]], pin_memory: bool) -> None:
         """One buffer per tensor leaf, in order (only when the tensors' shapes, dtypes or devices change)."""
         self._buffers = None  # free the old buffers before allocating new ones
+        self._base, self._spare = {}, {}
+        self._generation += 1
+        self._sharded = [i for i, leaf in enumerate(leaves) if is_sharded(leaf)]
+        self._pinned = pin_memory
         # On CUDA: shared + pinned gives exact-size page-locked buffers (cudaHostRegister); pinned
         # alone would go through the caching host allocator, which rounds sizes up and keeps freed
         # blocks, so the reported size would be wrong and release() would free nothing. Shared
         # memory lives in /dev/shm, which containers often cap (64 MiB by default): where the
         # buffers do not fit there, pinned alone it is, with a warning.
-        shared = pin_memory and shared_memory_fits(state_nbytes(leaves))
+        shared = self._shared = pin_memory and shared_memory_fits(state_nbytes(leaves))
         created = _create_cpu_state_dict({i: leaf for i, leaf in enumerate(leaves) if not _wraps_shards(leaf)},
                                          pin_memory=pin_memory, share_memory=shared)
         self._buffers = [_shards_buffer(leaf, pin_memory, shared) if _wraps_shards(leaf) else created[i]
@@ -328,4 +398,6 @@ class Stager:
 
     def release(self) -> None:
         self._buffers = None
+        self._base, self._spare = {}, {}
         self.nbytes = 0
+

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ett.checkpoint import dcp_io
+from lightning_ett.checkpoint import dcp_io, delta
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.staging import Snapshot
 from lightning_ett.durable.commit import discard_unfinished, retire, temp_path
@@ -63,6 +64,9 @@ class WriteResult:
     boundary_s: float  # the training thread's snapshot at the due step's boundary
     settle_s: float = 0.0  # its wait for the late copy, inside the next step (which the cadence times too)
     overlapped_bytes: int = 0  # of the staged bytes, those copied while the next step ran
+    incremental: bool = False  # a delta: the sharded tensors' changed rows only
+    rows_changed: int = 0  # (all ranks, deltas only) rows written of the rows compared
+    rows_compared: int = 0
 
     @property
     def blocked_s(self) -> float:
@@ -71,6 +75,7 @@ class WriteResult:
 
 
 _writer_thread = threading.local()
+_VOID = object()  # _write's answer for a snapshot dropped before its commit (no base for the next delta)
 
 
 class _ZipCrcSkip:
@@ -117,8 +122,11 @@ def _skip_zip_crc_in_writer_threads(patches: Patches) -> None:
     patches.setattr(serialization, "get_crc32_options", get_crc32_options)
 
 
-def _write_delay() -> float:
-    """Fault injection for tests: ``LIGHTNING_ETT_FAULT_WRITE_DELAY_S`` holds every save between its data and its commit."""
+def _write_delay(incremental: bool) -> float:
+    """Fault injection for tests: ``LIGHTNING_ETT_FAULT_WRITE_DELAY_S`` holds every save between its data and its
+    commit (only deltas with ``LIGHTNING_ETT_FAULT_WRITE_DELAY_KIND=delta``)."""
+    if os.environ.get("LIGHTNING_ETT_FAULT_WRITE_DELAY_KIND") == "delta" and not incremental:
+        return 0.0
     return float(os.environ.get("LIGHTNING_ETT_FAULT_WRITE_DELAY_S", "0") or 0)
 
 
@@ -144,6 +152,7 @@ class CheckpointWriter:
         self._future: Future[WriteResult | None] | None = None
         self._reported: Future[WriteResult | None] | None = None
         self._retention_lock = threading.Lock()
+        self._chain: list[dict[str, Any]] = []  # rank 0: the last committed checkpoint's chain, itself last
 
     def status(self) -> tuple[bool, BaseException | None]:
         """(a save is in flight, the error of the last save if it failed) — from one look at it."""
@@ -158,8 +167,13 @@ class CheckpointWriter:
     def busy(self) -> bool:
         return self.status()[0]
 
-    def submit(self, snapshot: Snapshot, step: int, boundary_s: float = float("nan")) -> None:
-        """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight)."""
+    def submit(self, snapshot: Snapshot, step: int, boundary_s: float = float("nan"),
+               on_committed: Callable[[Snapshot], None] | None = None) -> None:
+        """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight).
+
+        A snapshot with a base (``snapshot.previous``) is written as a delta of the last checkpoint
+        this writer committed; ``on_committed`` runs on every rank once the checkpoint is committed.
+        """
         assert not self.busy, "at most one save in flight"
         future: Future[WriteResult | None] = Future()
 
@@ -168,7 +182,10 @@ class CheckpointWriter:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, not this rank's GPU
             try:
-                future.set_result(self._write(snapshot, step, boundary_s))
+                result = self._write(snapshot, step, boundary_s)
+                if result is not _VOID and on_committed is not None:
+                    on_committed(snapshot)
+                future.set_result(None if result is _VOID else result)
             except BaseException as e:  # noqa: BLE001 - delivered to the training thread through the Future
                 future.set_exception(e)
 
@@ -208,30 +225,41 @@ class CheckpointWriter:
             _ZIP_CRC_SKIP.release()
 
     # ------------------------------------------------------------------ worker thread
-    def _write(self, snapshot: Snapshot, step: int, boundary_s: float) -> WriteResult | None:
+    def _write(self, snapshot: Snapshot, step: int, boundary_s: float) -> WriteResult | None | object:
+        """Write and commit; returns the result (rank 0), ``None`` (other ranks) or ``_VOID`` (dropped, not committed)."""
         start = time.perf_counter()
         final = self.root / fmt.checkpoint_name(step)
         tmp = temp_path(final)
         snapshot.copy_late()
+        rows = (0, 0)
         try:
             snapshot.wait_copied()
-            checksums = dcp_io.write(snapshot.state["dcp"], tmp, self.group, collective=self.collective, staged=True)
+            state = snapshot.state["dcp"]
+            records = None
+            if snapshot.previous is not None:  # incremental: the sharded tensors' changed rows, the rest in full
+                records, compared = delta.diff(state, snapshot.previous)
+                rows = (sum(r.rows.numel() for r in records), compared)
+                state = delta.without_sharded(state)
+            checksums = dcp_io.write(state, tmp, self.group, collective=self.collective, staged=True)
+            if records is not None:
+                checksums.update(delta.write(records, tmp, self.rank))
         except BaseException as e:
             said = explain(e, tmp)
             discard_unfinished(tmp)  # (a collective write's other ranks fail on it too: the save failed anyway)
             raise CheckpointWriteError(f"writing checkpoint {str(final)!r} failed: {said}") from e
-        valid, checksums = self._agree_after_write(snapshot, checksums)
+        valid, checksums, rows = self._agree_after_write(snapshot, checksums, rows)
         if not valid:
             if self.rank == 0:
                 remove_path(tmp)  # changed before it was copied (on some rank): AsyncCheckpoint saves the next step
-            return None
+            return _VOID
         error: str | None = None
         nbytes = 0
-        if delay := _write_delay():
+        if delay := _write_delay(snapshot.previous is not None):
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums)
+                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums,
+                                      incremental=snapshot.previous is not None)
             except Exception as e:
                 error = explain(e, tmp)
                 discard_unfinished(tmp)
@@ -245,24 +273,32 @@ class CheckpointWriter:
         if self.rank != 0:
             return None
         return WriteResult(step, final, time.perf_counter() - start, nbytes, boundary_s, snapshot.settle_wait_s,
-                           snapshot.late_bytes)
+                           snapshot.late_bytes, snapshot.previous is not None, *rows)
 
-    def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]]
-                           ) -> tuple[bool, dict[str, tuple[int, int]]]:
+    def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]], rows: tuple[int, int]
+                           ) -> tuple[bool, dict[str, tuple[int, int]], tuple[int, int]]:
         """Wait for the training thread's verdict on the snapshot; with a collective writer, agree on every rank's
-        and hand rank 0 every rank's file checksums (one collective)."""
+        and hand rank 0 every rank's file checksums and delta row counts (one collective)."""
         valid = snapshot.valid()
         if not (self.collective and self.group is not None):
-            return valid, checksums
+            return valid, checksums, rows
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, (valid, checksums), group=self.group)
-        merged = {name: summed for _, sums in everyone for name, summed in sums.items()}
-        return all(ok for ok, _ in everyone), merged
+        dist.all_gather_object(everyone, (valid, checksums, rows), group=self.group)
+        merged = {name: summed for _, sums, _ in everyone for name, summed in sums.items()}
+        total = (sum(r[0] for _, _, r in everyone), sum(r[1] for _, _, r in everyone))
+        return all(ok for ok, _, _ in everyone), merged, total
 
-    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int, checksums: dict[str, tuple[int, int]]) -> int:
-        """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes."""
+    def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int, checksums: dict[str, tuple[int, int]],
+                incremental: bool = False) -> int:
+        """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes.
+
+        A delta's manifest names its chain: the last checkpoint this writer committed and that one's chain.
+        """
+        assert not incremental or self._chain, "a delta needs a committed checkpoint to build on"
+        chain = self._chain if incremental else None
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
-        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums)
+        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, chain=chain)
+        self._chain = [*(chain or []), {"name": final.name, "seq": manifest["seq"]}]
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
         return sum(f["bytes"] for f in manifest["files"].values())

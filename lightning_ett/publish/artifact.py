@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from lightning_ett.checkpoint import layout
-from lightning_ett.checkpoint.dcp_io import read_whole
+from lightning_ett.checkpoint.chain import read_whole
 from lightning_ett.durable import commit
 from lightning_ett.durable.commit import commit_directory, retire, temp_path
 from lightning_ett.durable.files import atomic_write_text, remove_path

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import SCRIPTS, launch, run_script
 
 from lightning_ett.checkpoint import layout as fmt
 
 
-def test_a_published_model_loaded_with_torch_and_torchrec_alone_predicts_what_the_sharded_model_did(tmp_path):
-    # Table-wise sharding on 2 ranks: each rank holds only 2 of the 4 tables.
-    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", "--async-every", "5",
+@pytest.mark.parametrize("incremental", [False, True], ids=["full-saves", "incremental-saves"])
+def test_a_published_model_loaded_with_torch_and_torchrec_alone_predicts_what_the_sharded_model_did(tmp_path, incremental):
+    # Table-wise sharding on 2 ranks: each rank holds only 2 of the 4 tables. Incremental: the published step's
+    # checkpoint is a delta (full save at 5, deltas at 10 and 12), so the publisher reads the whole chain.
+    chain = ["--incremental", "--full-every", "10", "--when-busy", "wait"] if incremental else []
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", "--async-every", "5", *chain,
                   "--ckpt-dir", str(tmp_path / "ckpt"), "--publish-dir", str(tmp_path / "pub"),
                   "--predict-out", str(tmp_path / "pred"), "--sharding-type", "table_wise", run_dir=tmp_path / "ett")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if incremental:
+        assert json.loads((tmp_path / "ckpt" / fmt.checkpoint_name(12) / fmt.MANIFEST_FILE).read_text())["kind"] == "delta"
     assert "ModelPublisher: published" in proc.stderr + proc.stdout
     assert not list((tmp_path / "ckpt").glob(f"*/{fmt.PIN_FILE}"))
     served = run_script(str(SCRIPTS / "serve_published.py"), str(tmp_path / "pub"), str(tmp_path / "pred"), "200",

@@ -72,12 +72,14 @@ class ShardedDLRM(LightningModule):
 
     sigterm_at: int | None = None
     kill_at: int | None = None
+    kill_rank = 1
     fail_at: int | None = None
     step_sleep = 0.0
     dense_optimizer = "adam"
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
-        if self.kill_at == self.global_step and self.global_rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        if self.kill_at == self.global_step and self.global_rank == self.kill_rank \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)  # a crash on the first attempt only
@@ -151,10 +153,16 @@ def main() -> None:
     p.add_argument("--sigterm-at", type=int, default=None)
     p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default="adam")
     p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself at this step of attempt 0")
+    p.add_argument("--kill-rank", type=int, default=1, help="with --kill-at: the rank that dies")
     p.add_argument("--build-in-setup", action="store_true", help="build the tables in LightningModule.setup()")
     p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
     p.add_argument("--async-every", type=int, default=0, help="AsyncCheckpoint every N steps into --ckpt-dir")
     p.add_argument("--async-keep", type=int, default=3)
+    p.add_argument("--incremental", action="store_true", help="AsyncCheckpoint(incremental=True)")
+    p.add_argument("--when-busy", default="skip", help="AsyncCheckpoint(when_busy=...)")
+    p.add_argument("--full-every", type=int, default=None, help="AsyncCheckpoint(full_every_n_saves=...)")
+    p.add_argument("--fused-optimizer", default="row_wise_adagrad")
+    p.add_argument("--sharding-group-size", type=int, default=None, help="2D: ETTStrategy(sharding_group_size=...)")
     p.add_argument("--async-minutes", type=float, default=None, help="AsyncCheckpoint every_n_minutes into --ckpt-dir")
     p.add_argument("--sync-ref-at", type=int, default=None,
                    help="also save synchronously (trainer.save_checkpoint) at this step, into OUT/ref")
@@ -169,15 +177,17 @@ def main() -> None:
     out = Path(args.out)
     if args.rank1_sharding_type and int(os.environ.get("LOCAL_RANK", "0")) == 1:
         args.sharding_type = args.rank1_sharding_type
-    strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache, fused_optimizer="row_wise_adagrad",
-                           fused_optimizer_kwargs={"lr": 0.05})
+    strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache,
+                           fused_optimizer=args.fused_optimizer, fused_optimizer_kwargs={"lr": 0.05},
+                           sharding_group_size=args.sharding_group_size)
     callbacks = [ETTMonitor() if args.ett_from_env else ETTMonitor(run_dir=out / "ett", report_on_end=False)]
     if args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
                                          filename="step{step}", auto_insert_metric_name=False))
     if args.async_every or args.async_minutes:
         interval = {"every_n_minutes": args.async_minutes} if args.async_minutes else {"every_n_train_steps": args.async_every}
-        callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, **interval))
+        callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, incremental=args.incremental,
+                                         full_every_n_saves=args.full_every, when_busy=args.when_busy, **interval))
     if args.publish_dir:
         callbacks.append(ModelPublisher(args.publish_dir, submodule="dlrm", metrics=["loss"], strict=True))
     if args.sync_ref_at is not None:
@@ -193,6 +203,7 @@ def main() -> None:
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer
     model.kill_at = args.kill_at
+    model.kill_rank = args.kill_rank
     model.fail_at = args.fail_at
     model.step_sleep = args.step_sleep
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)

@@ -1,0 +1,123 @@
+"""Incremental checkpoints without training: which rows a delta holds, how it lands in another layout, and how
+chains are verified and kept by retention."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+
+from lightning_ett.checkpoint import delta
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.durable.commit import commit_directory, temp_path
+
+
+def test_changed_rows_compares_bytes_so_nan_rows_are_unchanged_and_a_sign_flip_of_zero_is_a_change():
+    before = torch.tensor([[1.0, float("nan")], [0.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    after = before.clone()
+    after[1, 0] = -0.0  # equal as a value, not as bits
+    after[3, 1] = 6.000001
+    assert delta.changed_rows(after, before).tolist() == [1, 3]  # row 0 (NaN, same bits) is unchanged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_changed_rows_in_small_chunks_finds_the_same_rows_for_every_dtype_and_1d_state(monkeypatch, dtype):
+    monkeypatch.setattr(delta, "_CHUNK_BYTES", 16)  # a few rows per pass
+    g = torch.Generator().manual_seed(0)
+    before = torch.randn(101, 3, generator=g).to(dtype)
+    after = before.clone()
+    rows = [0, 7, 50, 99, 100]
+    after[rows] += 1
+    assert delta.changed_rows(after, before).tolist() == rows
+    sums = torch.rand(101, generator=g)  # row-wise AdaGrad: one value per row
+    new = sums.clone()
+    new[[3, 64]] = 0.5
+    assert delta.changed_rows(new, sums).tolist() == [3, 64]
+
+
+def sharded(whole: torch.Tensor, row_splits: list[int], col_splits: list[int]) -> ShardedTensor:
+    """One process holding every block of ``whole`` cut at the given row and column starts (a layout, no ranks)."""
+    shards, rows, cols = [], [*row_splits, whole.shape[0]], [*col_splits, whole.shape[1]]
+    for r0, r1 in itertools.pairwise(rows):
+        for c0, c1 in itertools.pairwise(cols):
+            meta = ShardMetadata([r0, c0], [r1 - r0, c1 - c0], "rank:0/cpu")
+            shards.append(Shard(whole[r0:r1, c0:c1].clone(), meta))
+    return ShardedTensor._init_from_local_shards(shards, *whole.shape)
+
+
+def gathered(st: ShardedTensor) -> torch.Tensor:
+    out = torch.empty(st.size())
+    for t, (r, c) in delta.shards_with_offsets(st):
+        out[r:r + t.shape[0], c:c + t.shape[1]] = t
+    return out
+
+
+def test_a_delta_written_by_one_layout_applies_exactly_to_another(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # ShardedTensor asks for the rank
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29581")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        old = torch.randn(40, 6, generator=g)
+        new = old.clone()
+        new[[2, 17, 18, 39]] = torch.randn(4, 6, generator=g)
+        # Written by a row-wise layout in 3 shards; read by a grid of 2 x 2 blocks of another cut.
+        previous_layout, current_layout = sharded(old, [0, 10, 30], [0]), sharded(new, [0, 10, 30], [0])
+        records, compared = delta.diff({"model": {"t": current_layout}}, {id(current_layout): previous_layout})
+        assert compared == 40 and sorted(r for rec in records for r in rec.rows.tolist()) == [2, 17, 18, 39]
+        delta.write(records, tmp_path, rank=0)
+        target = sharded(old, [0, 25], [0, 4])
+        assert delta.apply(delta.read(tmp_path), {"model": {"t": target}}) == 8  # 4 rows, each in 2 column blocks
+        assert torch.equal(gathered(target), new)
+        whole = old.clone()
+        for record in delta.read(tmp_path):
+            delta.apply_whole(record, whole)
+        assert torch.equal(whole, new)
+    finally:
+        dist.destroy_process_group()
+
+
+def commit(root: Path, step: int, seq: int, chain: list[tuple[int, int]] = ()) -> Path:
+    final = root / fmt.checkpoint_name(step)
+    tmp = temp_path(final)
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(b"tensor bytes")
+    torch.save({"global_step": step}, tmp / fmt.META_FILE)
+    fields = {"global_step": step, "time": time.time(), "seq": seq}
+    if chain:
+        fields.update(kind="delta", chain=[{"name": fmt.checkpoint_name(s), "seq": q} for s, q in chain])
+    commit_directory(tmp, final, fmt.FORMAT, fields)
+    return final
+
+
+def test_retention_keeps_every_checkpoint_a_kept_delta_builds_on(tmp_path):
+    commit(tmp_path, 2, 1)
+    commit(tmp_path, 4, 2, [(2, 1)])
+    commit(tmp_path, 6, 3, [(2, 1), (4, 2)])
+    commit(tmp_path, 8, 4)  # a new full save
+    commit(tmp_path, 10, 5, [(8, 4)])
+    entries = fmt.committed(tmp_path)
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [2, 4, 6]  # 10 needs only 8
+    assert [e.step for e in fmt.to_delete(entries[:3], keep_last_n=1)] == []  # 6 needs 2 and 4
+    (tmp_path / fmt.checkpoint_name(6) / fmt.PIN_FILE).touch()  # a publisher reads 6: its chain stays too
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=1)] == []
+
+
+def test_a_delta_whose_base_was_replaced_or_deleted_is_not_complete_and_says_which(tmp_path):
+    commit(tmp_path, 2, 1)
+    four = commit(tmp_path, 4, 2, [(2, 1)])
+    assert fmt.verify(four) is None
+    commit(tmp_path, 2, 3)  # a rolled-back line saved step 2 again: 4 was built on the old one
+    assert "step-000000002, was replaced" in fmt.verify(four)
+    shutil.rmtree(tmp_path / fmt.checkpoint_name(2))
+    assert fmt.verify(four) == "the checkpoint it builds on, step-000000002, is missing"
+    with pytest.warns(UserWarning, match="step-000000002, is missing"):
+        assert fmt.newest_complete(tmp_path) is None

@@ -1,0 +1,186 @@
+"""AsyncCheckpoint(incremental=True) under ETTStrategy on real gloo ranks: exact resume from a full save and its deltas,
+reshard from a chain, a damaged delta, retention, a kill while a delta is written."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, launch, rank_facts
+
+from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.checkpoint.chain import read_whole
+from lightning_ett.checkpoint.delta import DELTA_FILE
+from tests.distributed.test_async_checkpoint_sharded import assert_equal_trees, run_job
+
+CHAIN = ["--async-every", "2", "--incremental", "--full-every", "10", "--when-busy", "wait", "--async-keep", "2"]
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / fmt.MANIFEST_FILE).read_text())
+
+
+def step_dir(ckpt: Path, step: int) -> Path:
+    return ckpt / fmt.checkpoint_name(step)
+
+
+@pytest.fixture(scope="module")
+def chain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """7 steps on 2 ranks (table-wise, fused row-wise AdaGrad): full save at 2, deltas at 4, 6 and 7 (end of fit),
+    and a synchronous full save of step 7 (``ref``) to compare with. Copy ``ckpt`` before changing it."""
+    out = tmp_path_factory.mktemp("chain")
+    run_job(out, "--max-steps", "7", *CHAIN, "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "7")
+    return out
+
+
+def copied_chain(chain_run: Path, tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(chain_run / "ckpt", ckpt)
+    (ckpt / ".ett-owner").unlink(missing_ok=True)
+    return ckpt
+
+
+def test_the_chain_is_a_full_save_then_deltas_of_only_the_tables_and_retention_keeps_what_it_needs(chain_run):
+    ckpt = chain_run / "ckpt"
+    # keep_last_n=2 keeps 6 and 7, and 2 and 4 because 7 is built on them.
+    assert [e.step for e in fmt.committed(ckpt)] == [2, 4, 6, 7]
+    assert "kind" not in manifest(step_dir(ckpt, 2))
+    assert [link["name"] for link in manifest(step_dir(ckpt, 7))["chain"]] == [fmt.checkpoint_name(s) for s in (2, 4, 6)]
+    for step in (4, 6, 7):
+        files = manifest(step_dir(ckpt, step))["files"]
+        assert manifest(step_dir(ckpt, step))["kind"] == "delta"
+        assert {DELTA_FILE.format(rank=0), DELTA_FILE.format(rank=1)} <= set(files)  # each rank its own shards' rows
+    assert fmt.verify(step_dir(ckpt, 7)) is None
+
+
+def test_resuming_from_a_full_save_and_three_deltas_matches_an_uninterrupted_run(chain_run, tmp_path, uninterrupted_dlrm):
+    ckpt = copied_chain(chain_run, tmp_path)
+    full, _ = uninterrupted_dlrm  # the same 12 steps, uninterrupted
+    resumed = run_job(tmp_path / "second", "--max-steps", "12", *CHAIN, "--ckpt-dir", str(ckpt))
+    for a, b in zip(full, resumed, strict=True):
+        assert b["global_step"] == 12 and len(b["losses"]) == 5  # resumed at the delta of step 7
+        assert a["losses"][7:] == b["losses"]
+        assert_equal_trees(a["model"], b["model"])
+        assert_equal_trees(a["fused"], b["fused"])  # row-wise AdaGrad's sums
+
+
+def test_a_damaged_middle_delta_falls_back_to_the_valid_prefix_and_names_the_file(chain_run, tmp_path, uninterrupted_dlrm):
+    ckpt = copied_chain(chain_run, tmp_path)
+    damaged = step_dir(ckpt, 4) / DELTA_FILE.format(rank=1)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    damaged.write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fmt.newest_complete(ckpt) == step_dir(ckpt, 2)  # 7 and 6 build on 4; 4 is damaged; 2 is whole
+    said = [str(w.message) for w in caught]
+    assert len(said) == 3 and all(DELTA_FILE.format(rank=1) in s for s in said), said
+    full, _ = uninterrupted_dlrm
+    resumed = run_job(tmp_path / "second", "--max-steps", "12", *CHAIN, "--ckpt-dir", str(ckpt))
+    for a, b in zip(full, resumed, strict=True):
+        assert len(b["losses"]) == 10  # from step 2
+        assert_equal_trees(a["model"], b["model"])
+        assert_equal_trees(a["fused"], b["fused"])
+
+
+def whole(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A checkpoint's tables and fused optimizer state gathered whole in this process (a chain: full + deltas)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, fused = read_whole(path, "model"), read_whole(path, "fused")["state"]
+    return {"model": model, "fused": {f"{p}.{k}": v for p, states in fused.items() for k, v in states.items()}}
+
+
+def assert_holds(local: dict[str, object], whole: dict[str, torch.Tensor]) -> int:
+    """Every local shard a rank reported (ett_job.py's ``name@offsets`` for 1D, DTensors over local shards for 2D)
+    equals that block of the whole tensor; returns how many blocks were compared."""
+    compared = 0
+    for key, value in local.items():
+        name, _, offsets = key.partition("@")
+        inner = getattr(value, "_local_tensor", None)
+        if offsets:
+            blocks = [(value, tuple(int(o) for o in offsets.strip("()").split(",") if o.strip()))]
+        elif inner is not None and hasattr(inner, "local_shards"):
+            blocks = list(zip(inner.local_shards(), (tuple(o) for o in inner.local_offsets())))
+        else:
+            blocks = [(inner if inner is not None else value, (0,) * value.dim())]
+        for block, at in blocks:
+            assert torch.equal(whole[name][tuple(slice(o, o + n) for o, n in zip(at, block.shape))], block), key
+            compared += 1
+    return compared
+
+
+def load_only(out: Path, source: Path, devices: int, *args: str) -> list[dict]:
+    """Restore ``source`` and stop (max_steps = its step): each rank's facts are what it restored."""
+    step = str(fmt.read_meta(source)["global_step"]) if (source / fmt.META_FILE).is_file() else "7"
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", str(devices), "--max-steps", step,
+                  "--resume", str(source), *args, run_dir=out / "ett", devices=devices, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return rank_facts(out)
+
+
+def test_a_chain_holds_exactly_what_a_full_save_of_the_same_step_holds(chain_run):
+    chain, ref = whole(step_dir(chain_run / "ckpt", 7)), whole(chain_run / "ref")
+    assert assert_equal_trees(ref, chain) >= 12
+
+
+def test_a_chain_written_by_two_ranks_restores_on_one_rank(chain_run, tmp_path):
+    (facts,) = load_only(tmp_path, step_dir(chain_run / "ckpt", 7), 1)
+    ref = whole(chain_run / "ref")
+    assert facts["global_step"] == 7
+    assert assert_holds(facts["model"], ref["model"]) >= 4 and assert_holds(facts["fused"], ref["fused"]) >= 4
+
+
+def test_2d_writes_its_deltas_once_per_shard_and_a_1d_chain_restores_into_2d(chain_run, tmp_path):
+    # 2D (4 ranks, groups of 2, row-wise): its chain equals its full save of the same step...
+    out = tmp_path / "2d"
+    two_d = ["--sharding-type", "row_wise", "--sharding-group-size", "2"]
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", "4", "--max-steps", "7", *two_d, *CHAIN,
+                  "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "7", run_dir=out / "ett", devices=4, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert manifest(step_dir(out / "ckpt", 7))["kind"] == "delta"
+    assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 7))) >= 12
+    # ... and the 1D chain (2 ranks, table-wise) restores into this 2D layout as its full save would.
+    facts = load_only(tmp_path / "load", step_dir(chain_run / "ckpt", 7), 4, *two_d)
+    ref = whole(chain_run / "ref")
+    for rank in facts:
+        assert assert_holds(rank["model"], ref["model"]) >= 4 and assert_holds(rank["fused"], ref["fused"]) >= 4
+
+
+def test_row_wise_tables_with_per_element_adagrad_resume_exactly_from_a_chain(tmp_path):
+    args = ["--sharding-type", "row_wise", "--fused-optimizer", "adagrad"]  # state as wide as the rows (as Adam's)
+    full = run_job(tmp_path / "full", "--max-steps", "10", *args)
+    ckpt = tmp_path / "ckpt"
+    run_job(tmp_path / "first", "--max-steps", "5", *args, *CHAIN, "--ckpt-dir", str(ckpt))
+    assert manifest(step_dir(ckpt, 5))["kind"] == "delta"
+    resumed = run_job(tmp_path / "second", "--max-steps", "10", *args, *CHAIN, "--ckpt-dir", str(ckpt))
+    for a, b in zip(full, resumed, strict=True):
+        assert len(b["losses"]) == 5
+        assert_equal_trees(a["model"], b["model"])
+        assert assert_equal_trees(a["fused"], b["fused"]) >= 2
+
+
+def test_a_kill_while_a_delta_is_written_leaves_nothing_complete_and_the_restart_resumes_from_the_full_save(
+        tmp_path, uninterrupted_dlrm):
+    # Deltas are held 3 s between their data files (every rank's, agreed) and rank 0's commit; saves due meanwhile
+    # are skipped. Rank 0 is killed at step 8, a few steps after the delta of step 4 began: all its data is on disk,
+    # its manifest is not. (Had rank 0 lived, it would rightly have committed it: every rank had written its part.)
+    ckpt = tmp_path / "ckpt"
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", *CHAIN, "--when-busy", "skip",
+                  "--ckpt-dir", str(ckpt), "--kill-at", "8", "--kill-rank", "0", run_dir=tmp_path / "ett", max_restarts=1,
+                  LIGHTNING_ETT_FAULT_WRITE_DELAY_S="3", LIGHTNING_ETT_FAULT_WRITE_DELAY_KIND="delta")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logs = "".join(p.read_text() for p in (tmp_path / "ett").glob("worker_logs/**/attempt_1/0/std*.log"))
+    unfinished = re.findall(r"deleted the unfinished '[^']*step-(\d+)\.tmp'", logs)  # the delta in flight (4 or 6)
+    assert len(unfinished) == 1 and int(unfinished[0]) in (4, 6), logs[-3000:]
+    assert f"resuming from the newest complete checkpoint {step_dir(ckpt, 2)}\n" in logs
+    full, _ = uninterrupted_dlrm
+    for a, b in zip(full, rank_facts(tmp_path), strict=True):
+        assert b["global_step"] == 12 and len(b["losses"]) == 10
+        assert_equal_trees(a["model"], b["model"])
+        assert_equal_trees(a["fused"], b["fused"])
