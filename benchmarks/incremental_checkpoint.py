@@ -1,0 +1,130 @@
+"""Incremental checkpoints vs full saves vs DCP async_save: bytes written per hour, save cost, restore time.
+
+    .venv/bin/python benchmarks/incremental_checkpoint.py [--gib 2] [--rounds 3] [--dir DIR]
+
+Every job (incremental_job.py): ETTStrategy on 2 gloo ranks, GIB GiB of TorchRec tables (8 tables
+of 64-wide fp32 rows, table-wise, fused row-wise AdaGrad), 512 ids per table per rank per step.
+Configurations: a Zipf id stream (exponent 1.05, see the README) with saves every 10, 50 and 200
+steps, and a uniform stream (the worst case for deltas) every 50 steps. Arms: ``full``
+(AsyncCheckpoint), ``incremental`` (AsyncCheckpoint(incremental=True)), ``dcp_async`` (DCP
+async_save with reused buffers) and ``full A/A`` (the full arm again: the noise). Same
+retention in every arm (the newest checkpoint kept, plus what an incremental chain needs); a save
+due while one is in flight is skipped in every arm. The order of the arms in each round is a
+Williams design (spread.round_order). Per job: bytes written by the window's saves per hour of
+its wall time, the bytes of each save, the saves made and skipped, the training time the saves
+cost (blocked + slowdown: window wall minus window steps x the step time without saves).
+
+Goals (issue #34): on the Zipf stream at the 50-step cadence, >= 6x fewer bytes written per hour
+than full saves; restore <= 1.5x a full restore (``--restore`` jobs: the incremental arm keeping
+every checkpoint, each restored cold on 2 ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from spread import aa_floor, median_range, round_order
+
+ARMS = ("full", "incremental", "dcp_async", "full A/A")
+CONFIGS = (("zipf", 10, 300), ("zipf", 50, 1000), ("zipf", 200, 1000), ("uniform", 50, 600))  # stream, every, window
+
+
+def job(arm: str, stream: str, every: int, window: int, gib: float, base: Path, *extra: str) -> dict:
+    root, out = base / "ckpt", base / "result.json"
+    shutil.rmtree(root, ignore_errors=True)
+    out.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_")}
+    env["PYTHONPATH"] = str(HERE.parent)
+    proc = subprocess.run([sys.executable, str(HERE / "incremental_job.py"), "--arm", arm.split()[0], "--stream", stream,
+                           "--every", str(every), "--window", str(window), "--gib", str(gib), "--dir", str(root),
+                           "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=3600, check=False)
+    shutil.rmtree(root, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{arm} {stream}/{every} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def report_config(stream: str, every: int, runs: dict[str, list[dict]]) -> None:
+    mib = 2**20
+    print(f"\n== {stream} ids, a save every {every} steps: {len(runs['full'])} rounds, median (min-max) ==")
+    touched = [f for r in runs["incremental"] for f in r["touched_fraction"][1:]]
+    print(f"rows touched per interval (all tables): {median_range(touched, '.4f')}")
+    print(f"{'arm':<13}{'GB written/h':>24}{'MiB per save (full / delta)':>32}{'saves':>7}{'skipped':>9}"
+          f"{'cost s per save':>24}")
+    for arm in ARMS:
+        rs = runs[arm]
+        gb_h = median_range([r["bytes_per_hour"] / 1e9 for r in rs], ".1f")
+        fulls = [s["bytes"] / mib for r in rs for s in r["saves"] if s["kind"] == "full"]
+        deltas = [s["bytes"] / mib for r in rs for s in r["saves"] if s["kind"] == "delta"]
+        sizes = f"{statistics.median(fulls):.0f}" + (f" / {statistics.median(deltas):.1f}" if deltas else "")
+        cost = median_range([r["cost_s"] / max(len(r["saves"]), 1) for r in rs], ".3f")
+        print(f"{arm:<13}{gb_h:>24}{sizes:>32}{statistics.median(len(r['saves']) for r in rs):>7.0f}"
+              f"{statistics.median(r['skipped'] for r in rs):>9.0f}{cost:>24}")
+    ratio = [f["bytes_per_hour"] / i["bytes_per_hour"] for f, i in zip(runs["full"], runs["incremental"])]
+    aa = [a["bytes_per_hour"] / b["bytes_per_hour"] for a, b in zip(runs["full"], runs["full A/A"])]
+    dcp = [d["bytes_per_hour"] / i["bytes_per_hour"] for d, i in zip(runs["dcp_async"], runs["incremental"])]
+    print(f"full / incremental bytes per hour, per round: {median_range(ratio, '.2f')} "
+          f"(A/A full / full: {median_range(aa, '.3f')}, floor ±{aa_floor(aa):.3f}); dcp_async / incremental: "
+          f"{median_range(dcp, '.2f')}")
+    print("every run (GB/h; saves full+delta): " + "; ".join(
+        f"{arm} " + " | ".join(f"{r['bytes_per_hour'] / 1e9:.1f} ({sum(s['kind'] == 'full' for s in r['saves'])}+"
+                               f"{sum(s['kind'] == 'delta' for s in r['saves'])})" for r in runs[arm]) for arm in ARMS),
+          flush=True)
+
+
+def report_restores(runs: list[dict]) -> None:
+    print("\n== restore (cold, 2 ranks, slowest rank) against chain length: incremental arm, zipf, every 50, "
+          "its own chain policy, every checkpoint of the window kept and restored ==")
+    by_length: dict[int, list[float]] = {}
+    full_s: list[float] = []
+    for run in runs:
+        for r in run["restores"]:
+            by_length.setdefault(r["deltas"], []).append(r["seconds"])
+            if r["deltas"] == 0:
+                full_s.append(r["seconds"])
+    full = statistics.median(full_s)
+    for length in sorted(by_length):
+        ratio = median_range([s / full for s in by_length[length]], ".2f")
+        print(f"  full + {length:>2} deltas: {median_range(by_length[length], '.2f')} s  ({ratio} x a full restore)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--configs", default="all", help="comma-separated indices into CONFIGS (default all)")
+    args = parser.parse_args()
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ett-incremental-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    configs = CONFIGS if args.configs == "all" else [CONFIGS[int(i)] for i in args.configs.split(",")]
+    print(f"machine: {os.cpu_count()} CPUs; {args.gib:g} GiB of tables; checkpoints under {base}", flush=True)
+    restores: list[dict] = []
+    for stream, every, window in configs:
+        runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+        for r in range(args.rounds):
+            order = round_order(ARMS, r)
+            for arm in order:
+                runs[arm].append(job(arm, stream, every, window, args.gib, base))
+            print(f"  {stream}/{every} round {r + 1}: order {', '.join(order)}; GB/h "
+                  + ", ".join(f"{a} {runs[a][-1]['bytes_per_hour'] / 1e9:.1f}" for a in ARMS), flush=True)
+        report_config(stream, every, runs)
+    for r in range(args.rounds):
+        restores.append(job("incremental", "zipf", 50, 600, args.gib, base, "--restore"))
+    report_restores(restores)
+    if not args.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
