@@ -175,7 +175,7 @@ def test_the_export_skips_a_checkpoint_already_published_and_leaves_no_partial_v
     proc = run_job(tmp_path, "--max-steps", "4", "--every", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     request = pub.PublishRequest(str(tmp_path / "ckpt" / "step-000000004"), 4)
-    again = pub.export(request, tmp_path / "pub", keep_last_n=None)  # e.g. the same checkpoint after a restart
+    again, _ = pub.export(request, tmp_path / "pub", keep_last_n=None)  # e.g. the same checkpoint after a restart
     assert again["skipped"] is True
     (tmp_path / "pub" / "v000002.tmp").mkdir()  # what a publisher killed mid-version leaves ...
     (tmp_path / "pub" / "v000000.deleting").mkdir()  # ... or mid-retention

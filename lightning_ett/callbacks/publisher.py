@@ -67,6 +67,15 @@ class ModelPublisher(Callback):
         checkpoint_dirpath: which AsyncCheckpoint to follow, when the Trainer has several.
         end_timeout_s: the longest that wait lasts (rank 0 waits; with ``strict`` the other ranks
             wait for its verdict in a collective, so keep it below the process group's timeout).
+        deltas: between full versions, publish only the rows of each table that changed since
+            the version before (``delta.pt``; every other tensor whole), which a server holding
+            that version applies with :func:`lightning_ett.publish.artifact.apply_published_delta`
+            (torch only); :func:`~lightning_ett.publish.artifact.load_published` rebuilds any
+            version. The publisher process then holds the newest version's weights (one more
+            copy of the model in host RAM) to compare with. A new full version is written once
+            a chain's deltas add up to half a full version, after a restart, or when another
+            job published meanwhile.
+        full_every_n_versions: with ``deltas``: every N-th version is full (``None``: by the chain's size).
     """
 
     def __init__(
@@ -79,6 +88,8 @@ class ModelPublisher(Callback):
         wait_on_end: bool = True,
         checkpoint_dirpath: str | Path | None = None,
         end_timeout_s: float = 300.0,
+        deltas: bool = False,
+        full_every_n_versions: int | None = None,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
             raise ConfigurationTypeError(f"ModelPublisher(dirpath={dirpath!r}): expected a directory path (str or Path).")
@@ -94,6 +105,15 @@ class ModelPublisher(Callback):
                 f"ModelPublisher(submodule={submodule!r}): expected an attribute path such as 'model', or None.")
         if not end_timeout_s > 0:
             raise ConfigurationError(f"ModelPublisher(end_timeout_s={end_timeout_s!r}): expected a number of seconds > 0.")
+        if not isinstance(deltas, bool):
+            raise ConfigurationTypeError(f"ModelPublisher(deltas={deltas!r}): expected True or False.")
+        if full_every_n_versions is not None and (not isinstance(full_every_n_versions, int)
+                                                  or isinstance(full_every_n_versions, bool) or full_every_n_versions < 1):
+            raise ConfigurationError(f"ModelPublisher(full_every_n_versions={full_every_n_versions!r}): expected an int "
+                                     ">= 1, or None to start a new full version by the chain's size.")
+        if full_every_n_versions is not None and not deltas:
+            raise ConfigurationError(f"ModelPublisher(full_every_n_versions={full_every_n_versions!r}) applies only to "
+                                     "delta versions: pass deltas=True too, or drop it.")
         self.dirpath = Path(dirpath)
         self.keep_last_n = keep_last_n
         self.metrics = list(metrics)
@@ -102,6 +122,8 @@ class ModelPublisher(Callback):
         self.wait_on_end = wait_on_end
         self.checkpoint_dirpath = Path(checkpoint_dirpath).absolute() if checkpoint_dirpath is not None else None
         self.end_timeout_s = float(end_timeout_s)
+        self.deltas = deltas
+        self.full_every_n_versions = full_every_n_versions
         # resumable state
         self.published = 0
         self.last_published_step = -1
@@ -229,7 +251,8 @@ class ModelPublisher(Callback):
                 self._release(Path(self._pending.source))  # superseded before it was started: newest wins
             # Numbered above this job's last version, even if the directory was emptied meanwhile.
             self._pending = PublishRequest(str(path), step, self._metrics_at.pop(step, {}), self.submodule,
-                                           after_version=self.last_version or 0)
+                                           after_version=self.last_version or 0, deltas=self.deltas,
+                                           full_every_n_versions=self.full_every_n_versions)
             self._dispatch(trainer)
 
     def _dispatch(self, trainer: pl.Trainer) -> None:

@@ -13,6 +13,15 @@ state — as a flat ``{name: tensor}`` dict written by ``torch.save``: it loads 
 size, with torch and torchrec alone. ``manifest.json`` says which checkpoint and step it came
 from, when, the metrics the user named, and the size and CRC-32 of ``model.pt``.
 
+With ``ModelPublisher(deltas=True)`` a version between full ones holds ``delta.pt`` instead:
+the rows of each table that changed since the version before it (byte-wise, as the publisher
+process holds that version's weights), and every other tensor whole. Its manifest says
+``"kind": "delta"``, the ``base_version`` it applies to, and its ``chain`` (the full version and
+the deltas before it). A server holding version ``N`` applies the delta whose ``base_version``
+is ``N`` with :func:`apply_published_delta`; :func:`load_published` rebuilds any version from
+its chain. A new full version is written once a chain's deltas add up to half a full version
+(or every ``full_every_n_versions``), and retention keeps every version a kept one builds on.
+
 A version is written into ``v<N>.tmp`` and committed by the same protocol as checkpoints
 (:mod:`lightning_ett.durable.commit`), so a directory named ``v<N>`` is always complete.
 Version numbers only increase within a job, even if the directory is emptied meanwhile: the
@@ -45,6 +54,9 @@ from lightning_ett.durable.manifest import read_manifest as read_any_manifest
 from lightning_ett.durable.manifest import verify as verify_directory
 
 ARTIFACT_FILE = "model.pt"
+DELTA_FILE = "delta.pt"
+_DELTA_FORMAT = 1
+_MAX_CHAIN_FRACTION = 0.5  # as AsyncCheckpoint's: a new full version once the deltas reach half a full one
 LATEST_FILE = "latest"
 LOCK_FILE = ".lock"
 FORMAT = "ett-published-v1"
@@ -60,6 +72,8 @@ class PublishRequest:
     metrics: dict[str, float | None] = field(default_factory=dict)
     submodule: str | None = None  # export only this submodule's weights, with names relative to it
     after_version: int = 0  # the last version this job published: the new one is numbered above it
+    deltas: bool = False  # publish only the changed rows when the publisher holds the newest version
+    full_every_n_versions: int | None = None  # deltas: every N-th version full (None: by the chain's size)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -95,21 +109,58 @@ def latest_version_dir(root: str | os.PathLike) -> Path:
     return root / name
 
 
-def load_published(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Weights and manifest of a published version (a version directory, or a publish directory: its latest).
-
-    Equivalent to ``torch.load(version_dir / "model.pt", weights_only=True)`` plus the
-    manifest, with the CRC-32 checked when ``verify``.
-    """
-    path = Path(path)
-    version_dir = path if (path / ARTIFACT_FILE).is_file() else latest_version_dir(path)
+def _verified_manifest(version_dir: Path, verify: bool) -> dict[str, Any]:
     problem = verify_directory(version_dir, FORMAT, checksums=verify)
     if problem is not None:
         raise FileNotFoundError(f"{str(version_dir)!r} is not a complete published model: {problem}.")
     manifest = read_manifest(version_dir)
     assert manifest is not None
-    return torch.load(version_dir / ARTIFACT_FILE, map_location="cpu", weights_only=True), manifest
+    return manifest
 
+
+def load_published(path: str | os.PathLike, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Weights and manifest of a published version (a version directory, or a publish directory: its latest).
+
+    A full version: ``torch.load(version_dir / "model.pt", weights_only=True)`` plus the
+    manifest, with the CRC-32 checked when ``verify``. A delta: its chain's full version with
+    every delta of the chain applied in order.
+    """
+    path = Path(path)
+    is_version = (path / MANIFEST_FILE).is_file() and _VERSION.match(path.name) is not None
+    version_dir = path if is_version or (path / ARTIFACT_FILE).is_file() else latest_version_dir(path)
+    manifest = _verified_manifest(version_dir, verify)
+    if manifest.get("kind") != "delta":
+        return torch.load(version_dir / ARTIFACT_FILE, map_location="cpu", weights_only=True), manifest
+    chain = [version_dir.parent / version_name(v) for v in manifest["chain"]]
+    weights, held = load_published(chain[0], verify)
+    for member in [*chain[1:], version_dir]:
+        apply_published_delta(weights, member, held["version"], verify)
+        held = read_manifest(member) or {}
+    return weights, manifest
+
+
+def apply_published_delta(weights: dict[str, torch.Tensor], version_dir: str | os.PathLike, held_version: int,
+                          verify: bool = True) -> dict[str, Any]:
+    """Bring ``weights`` (a server's copy of version ``held_version``) to the delta version at ``version_dir``, in place.
+
+    Returns that version's manifest. Raises ``ValueError`` if the delta applies to another
+    version than the one held (reload with :func:`load_published` then).
+    """
+    version_dir = Path(version_dir)
+    manifest = _verified_manifest(version_dir, verify)
+    if manifest.get("kind") != "delta":
+        raise ValueError(f"{str(version_dir)!r} is a full version, not a delta: load it with load_published().")
+    if manifest["base_version"] != held_version:
+        raise ValueError(f"{str(version_dir)!r} applies to version {manifest['base_version']}, not to the version "
+                         f"{held_version} held: load it whole with load_published({str(version_dir)!r}).")
+    delta = torch.load(version_dir / DELTA_FILE, map_location="cpu", weights_only=True)
+    for name in delta["removed"]:
+        weights.pop(name, None)
+    weights.update(delta["replace"])
+    with torch.no_grad():
+        for name, changed in delta["rows"].items():
+            weights[name][changed["rows"]] = changed["values"]
+    return manifest
 
 # ---------------------------------------------------------------------- export (publisher process)
 def _model_weights(source: Path, submodule: str | None) -> dict[str, torch.Tensor]:
@@ -145,22 +196,57 @@ def locked(root: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def export(request: PublishRequest, root: Path, keep_last_n: int | None) -> dict[str, Any]:
-    """Publish ``request.source`` as the next version under ``root``; returns its manifest.
+@dataclass
+class HeldVersion:
+    """The publisher process's copy of the newest version it published (``deltas=True``): what the next delta is of."""
+
+    version: int
+    weights: dict[str, torch.Tensor]
+    chain: list[int]  # the full version and the deltas up to and including ``version``
+    full_bytes: int
+    chain_bytes: int  # the deltas' bytes since the full version
+
+
+def export(request: PublishRequest, root: Path, keep_last_n: int | None,
+           held: HeldVersion | None = None) -> tuple[dict[str, Any], HeldVersion | None]:
+    """Publish ``request.source`` as the next version under ``root``; returns its manifest and what to hold next.
 
     A checkpoint already published (the same source and step as the newest version, e.g.
     after a restart) is not published again: the returned manifest has ``"skipped": True``.
+    With ``request.deltas``, the version is a delta of ``held`` when ``held`` is still the
+    newest version and the chain is short enough.
     """
     with locked(root):
-        return _export(request, root, keep_last_n)
+        return _export(request, root, keep_last_n, held)
 
 
-def _export(request: PublishRequest, root: Path, keep_last_n: int | None) -> dict[str, Any]:
+def _delta_of(held: HeldVersion, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What turns ``held.weights`` into ``weights``: changed rows of tensors of the same shape, others whole."""
+    from lightning_ett.checkpoint.delta import changed_rows
+
+    replace: dict[str, torch.Tensor] = {}
+    rows: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        before = held.weights.get(name)
+        if before is None or before.shape != tensor.shape or before.dtype != tensor.dtype or tensor.dim() == 0:
+            replace[name] = tensor
+            continue
+        changed = changed_rows(tensor, before)
+        if 2 * changed.numel() >= tensor.shape[0]:
+            replace[name] = tensor  # most rows changed (a dense layer): whole is smaller than rows + their numbers
+        elif changed.numel():
+            rows[name] = {"rows": changed, "values": tensor[changed]}
+    removed = sorted(set(held.weights) - set(weights))
+    return {"format": _DELTA_FORMAT, "base_version": held.version, "replace": replace, "rows": rows, "removed": removed}
+
+
+def _export(request: PublishRequest, root: Path, keep_last_n: int | None,
+            held: HeldVersion | None) -> tuple[dict[str, Any], HeldVersion | None]:
     start = time.perf_counter()
     source = Path(request.source)
     if newest_published_source(root) == (str(source), request.step):
-        return {"skipped": True, "global_step": request.step, "source_checkpoint": str(source)}
-    problem = verify_directory(source, layout.FORMAT, checksums=False)  # sizes: the writer checksummed it a moment ago
+        return {"skipped": True, "global_step": request.step, "source_checkpoint": str(source)}, held
+    problem = layout.verify(source, checksums=False)  # sizes (chain included): the writer checksummed it a moment ago
     if problem is not None:
         raise FileNotFoundError(f"checkpoint {str(source)!r} cannot be published: {problem}")
     weights = _model_weights(source, request.submodule)
@@ -172,8 +258,16 @@ def _export(request: PublishRequest, root: Path, keep_last_n: int | None) -> dic
     tmp = temp_path(final)
     remove_path(tmp)
     tmp.mkdir()
-    artifact = tmp / ARTIFACT_FILE
-    torch.save(weights, artifact)
+    as_delta = request.deltas and held is not None and bool(versions) and versions[-1][0] == held.version and (
+        len(held.chain) < request.full_every_n_versions if request.full_every_n_versions is not None
+        else held.chain_bytes < _MAX_CHAIN_FRACTION * held.full_bytes)
+    delta_fields: dict[str, Any] = {}
+    if as_delta:
+        assert held is not None
+        torch.save(_delta_of(held, weights), tmp / DELTA_FILE)
+        delta_fields = {"kind": "delta", "base_version": held.version, "chain": list(held.chain)}
+    else:
+        torch.save(weights, tmp / ARTIFACT_FILE)
     fields = {
         "version": version,
         "global_step": request.step,
@@ -186,15 +280,35 @@ def _export(request: PublishRequest, root: Path, keep_last_n: int | None) -> dic
         "tensors": len(weights),
         "parameters": sum(t.numel() for t in weights.values()),
         "torch_version": torch.__version__,
+        **delta_fields,
     }
     manifest = commit_directory(tmp, final, FORMAT, fields)
     atomic_write_text(root / LATEST_FILE, final.name + "\n")
-    if keep_last_n is not None:
-        for _, old in published_versions(root)[:-keep_last_n]:
-            retire(old)
+    _apply_retention(root, keep_last_n)
+    nbytes = sum(f["bytes"] for f in manifest["files"].values())
+    if not request.deltas:
+        held = None
+    elif as_delta:
+        assert held is not None
+        held = HeldVersion(version, weights, [*held.chain, version], held.full_bytes, held.chain_bytes + nbytes)
+    else:
+        held = HeldVersion(version, weights, [version], nbytes, 0)
     manifest["path"] = str(final)
     manifest["seconds"] = time.perf_counter() - start
-    return manifest
+    return manifest, held
+
+
+def _apply_retention(root: Path, keep_last_n: int | None) -> None:
+    """The ``keep_last_n`` newest versions, and every version one of them builds on (its chain)."""
+    if keep_last_n is None:
+        return
+    versions = published_versions(root)
+    needed = {number for number, _ in versions[-keep_last_n:]}
+    for _, path in versions[-keep_last_n:]:
+        needed.update((read_manifest(path) or {}).get("chain", []))
+    for number, path in versions[:-keep_last_n]:
+        if number not in needed:
+            retire(path)
 
 
 def remove_stale(root: Path) -> None:
@@ -204,5 +318,6 @@ def remove_stale(root: Path) -> None:
             commit.remove_stale(root, "v*", FORMAT)
 
 
-__all__ = ["ARTIFACT_FILE", "FORMAT", "LATEST_FILE", "MANIFEST_FILE", "PublishRequest", "export", "latest_version_dir",
-           "load_published", "published_versions", "read_manifest", "remove_stale", "version_name"]
+__all__ = ["ARTIFACT_FILE", "DELTA_FILE", "FORMAT", "LATEST_FILE", "MANIFEST_FILE", "PublishRequest", "apply_published_delta",
+           "export", "latest_version_dir", "load_published", "published_versions", "read_manifest", "remove_stale",
+           "version_name"]

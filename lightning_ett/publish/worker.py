@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     remove_stale(args.root)
     _answer(out, {"ready": True, "pid": os.getpid()})
     last_version = 0  # versions only increase, even if the directory is emptied while this process runs
+    held = None  # deltas: the newest version's weights, what the next delta is of
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             if delay := float(os.environ.get(ENV_FAULT_DELAY, "0") or 0):
                 time.sleep(delay)
             _work(float(os.environ.get(ENV_FAULT_WORK, "0") or 0))
-            manifest = export(request, args.root, args.keep_last_n)
+            manifest, held = export(request, args.root, args.keep_last_n, held)
             last_version = max(last_version, int(manifest.get("version", 0) or 0))
             _answer(out, {"ok": True, "step": request.step, **manifest})
         except Exception as e:  # noqa: BLE001 - every failure is an answer; the trainer decides

@@ -33,3 +33,25 @@ def test_a_published_model_loaded_with_torch_and_torchrec_alone_predicts_what_th
     assert result["lightning_imported"] is False
     manifest = json.loads((tmp_path / "pub" / f"v{result['version']:06d}" / "manifest.json").read_text())
     assert manifest["submodule"] == "dlrm" and isinstance(manifest["metrics"]["loss"], float)
+
+
+def test_published_deltas_applied_one_by_one_by_a_server_give_the_trained_model(tmp_path):
+    # Incremental checkpoints at 4, 8, 12 (and the end-of-fit 14) published as one full version then deltas.
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "14", "--async-every", "4",
+                  "--incremental", "--full-every", "10", "--when-busy", "wait", "--ckpt-dir", str(tmp_path / "ckpt"),
+                  "--publish-dir", str(tmp_path / "pub"), "--publish-deltas", "--predict-out", str(tmp_path / "pred"),
+                  "--sharding-type", "row_wise", "--rows", "2000", "--batch", "16", run_dir=tmp_path / "ett")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    served = run_script(str(SCRIPTS / "serve_published_deltas.py"), str(tmp_path / "pub"), str(tmp_path / "pred"), "2000",
+                        fresh=True)
+    assert served.returncode == 0, served.stderr[-4000:]
+    result = json.loads(served.stdout.strip().splitlines()[-1])
+    assert result["kinds"][0] == "full" and "delta" in result["kinds"][1:], result
+    assert result["global_step"] == 14 and result["same_as_rebuilt"] is True
+    assert result["max_abs_diff"] < 1e-5, result
+    assert result["lightning_imported"] is False
+    sizes = {kind: [] for kind in ("full", "delta")}
+    for version in sorted((tmp_path / "pub").glob("v*")):
+        manifest = json.loads((version / "manifest.json").read_text())
+        sizes[manifest.get("kind", "full")].append(sum(f["bytes"] for f in manifest["files"].values()))
+    assert max(sizes["delta"]) < min(sizes["full"]), sizes  # only the rows that changed

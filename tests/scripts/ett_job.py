@@ -170,6 +170,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--fail-at", type=int, default=None, help="raise in training_step at this step, on every attempt")
     p.add_argument("--publish-dir", default=None, help="ModelPublisher(dirpath=..., submodule='dlrm')")
+    p.add_argument("--publish-deltas", action="store_true", help="ModelPublisher(deltas=True, full_every_n_versions=10)")
     p.add_argument("--predict-out", default=None, help="after fit, each rank's predictions on an eval batch go here")
     p.add_argument("--block-tmp-of", type=int, default=None, help="rank 0 puts a file where the save of this step writes")
     args = p.parse_args()
@@ -189,7 +190,9 @@ def main() -> None:
         callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, incremental=args.incremental,
                                          full_every_n_saves=args.full_every, when_busy=args.when_busy, **interval))
     if args.publish_dir:
-        callbacks.append(ModelPublisher(args.publish_dir, submodule="dlrm", metrics=["loss"], strict=True))
+        callbacks.append(ModelPublisher(args.publish_dir, submodule="dlrm", metrics=["loss"], strict=True,
+                                        deltas=args.publish_deltas,
+                                        full_every_n_versions=10 if args.publish_deltas else None))
     if args.sync_ref_at is not None:
         callbacks.append(SyncReference(args.sync_ref_at, out / "ref"))
     if args.block_tmp_of is not None:
