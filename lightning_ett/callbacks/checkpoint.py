@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -116,9 +117,12 @@ class AsyncCheckpoint(Checkpoint):
             in every interval is written once per save, as a one-shot differential against the
             last full save would too, but a row changed once is written once, where the
             differential writes it again at every later save), at the price of reading the
-            chain on restore. So a new full save is written once the chain's deltas add up to
-            half a full save (measured: the committed bytes), which bounds a restore to 1.5
-            full saves' bytes. ``False`` (default) until the benchmark settles it (see
+            chain on restore. So a save is full once the chain's deltas (measured: the
+            committed bytes) plus this save's rows would pass half a full save, which bounds a
+            restore to about 1.5 full saves' bytes (plus one delta's dense state). Peak host
+            memory while a delta is written: the changed rows gathered, at most about half the
+            tables (a shard with more changed rows is written whole, not gathered). ``False``
+            (default) until the benchmark settles it (see
             ``benchmarks/README.md``).
         full_every_n_saves: with ``incremental``: every N-th save is full, whatever the chain's
             size (``None``: by the measured size, as above).
@@ -497,12 +501,14 @@ class AsyncCheckpoint(Checkpoint):
             if tensors is not None:  # (replicated state: rank 0 writes it all)
                 late = self._late_storages(trainer) if self.overlap_staging and not final else set()
                 state = {"dcp": tensors, "meta": checkpoint}
-                full = True
-                if self.incremental and callable(split):  # every rank is here; any rank's "full" wins
-                    (full,) = self._agree(trainer, not (self._delta_due(trainer) and self._stager.can_diff(state)))
+                full, budget = True, math.inf
+                if self.incremental and callable(split):  # every rank is here; any rank's "full" wins, rank 0's budget
+                    full, budget = self._agree(trainer, not (self._delta_due(trainer) and self._stager.can_diff(state)),
+                                               self._delta_budget() if trainer.is_global_zero else -math.inf)
                 self._snapshot = self._stager.stage(state, late, keep_base=self.incremental, as_delta=not full)
                 self._writer.submit(self._snapshot, step, boundary_s=time.perf_counter() - start,
-                                    on_committed=self._stager.mark_base if self.incremental else None)
+                                    on_committed=self._stager.mark_base if self.incremental else None,
+                                    delta_budget=None if math.isinf(budget) else budget)
             self._verify_after = step
             self.cadence.save_started()
         for listener in list(self._listeners):
@@ -521,6 +527,12 @@ class AsyncCheckpoint(Checkpoint):
         if self.full_every_n_saves is not None:
             return self._deltas_in_chain + 1 < self.full_every_n_saves
         return self._full_bytes > 0 and self._chain_bytes < _MAX_CHAIN_FRACTION * self._full_bytes
+
+    def _delta_budget(self) -> float:
+        """Rank 0: the bytes of rows the next delta may hold before the chain outgrows its bound (inf: no bound)."""
+        if self.full_every_n_saves is not None:
+            return math.inf
+        return _MAX_CHAIN_FRACTION * self._full_bytes - self._chain_bytes
 
     def _late_storages(self, trainer: pl.Trainer) -> set[int]:
         """What may be copied after the boundary: parameters and optimizer states (nothing else changes before

@@ -1,8 +1,11 @@
 """Restore from a checkpoint of either kind: a full one, or an incremental one with the chain it builds on.
 
-An incremental checkpoint's sharded tensors are its chain's full save plus every delta after
-it, oldest first (a row changed twice takes its newest value); its dense state and
-``lightning.pt`` are its own. Both readers here fill the targets they are given the same way:
+An incremental checkpoint's row-tracked tensors (those sharded when it was saved, listed in
+its manifest as ``tracked``) are its chain's full save plus every delta after it, oldest first
+(a row changed twice takes its newest value); everything else and ``lightning.pt`` are its own.
+Which is which goes by how a tensor was *saved*, not by how the target holds it, so a table
+that a new plan shards differently, or makes data-parallel, is restored the same. Both readers
+here fill the targets they are given the same way:
 
 * :func:`load_into` — sharded targets, any layout (DCP reshards the full save; the deltas'
   global coordinates are pasted into whatever shards this rank holds);
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ett.checkpoint import dcp_io, delta
-from lightning_ett.checkpoint.layout import chain_of
+from lightning_ett.checkpoint.layout import chain_of, tracked_keys
 
 
 def load_into(target: dict[str, Any], path: Path) -> None:
@@ -25,12 +28,15 @@ def load_into(target: dict[str, Any], path: Path) -> None:
     if len(members) == 1:
         dcp_io.load_into(target, members[0])
         return
-    sharded, dense = delta.only_sharded(target), delta.without_sharded(target)
-    if sharded:
-        dcp_io.load_into(sharded, members[0])  # in place: the shards are the target's own tensors
-    if dense:
-        dcp_io.load_into(dense, members[-1])
-        _merge(target, dense)  # non-tensor leaves (param groups) come back as new objects
+    tracked = tracked_keys(members[-1])
+    from_full = delta.subset(target, lambda key, _: key in tracked)
+    own = delta.subset(target, lambda key, _: key not in tracked)
+    if from_full:
+        dcp_io.load_into(from_full, members[0])  # in place: the target's own tensors
+        _merge(target, from_full)
+    if own:
+        dcp_io.load_into(own, members[-1])
+        _merge(target, own)  # non-tensor leaves (param groups) come back as new objects
     for member in members[1:]:
         delta.apply(delta.read(member), target)
 
@@ -41,10 +47,12 @@ def read_whole(path: Path, key: str) -> dict[str, Any]:
     whole = dcp_io.read_whole(members[0], key)
     if len(members) == 1:
         return whole
+    tracked = tracked_keys(members[-1])
     try:
-        whole.update(dcp_io.read_whole(members[-1], key))  # its dense state (the full save's sharded tensors stay)
+        own = dcp_io.read_whole(members[-1], key)
     except KeyError:
-        pass  # nothing dense under ``key`` (a model of tables only)
+        own = {}  # nothing but row-tracked tensors under ``key`` (a model of tables only)
+    _merge(whole, delta.subset(own, lambda k, _: (key, *k) not in tracked))
     for member in members[1:]:
         for record in delta.read(member):
             if record.key[0] == key and (leaf := delta.leaf_at(whole, record.key[1:])) is not None:

@@ -22,7 +22,7 @@ the temporary masks stay small) and a second set of staging buffers for the shar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +45,26 @@ KeyPath = tuple[str, ...]
 
 @dataclass
 class RowRecord:
-    """Changed rows of one shard of one sharded tensor: ``values[i]`` is global row ``rows[i]`` from ``offsets``."""
+    """Changed rows of one shard of one sharded tensor: ``values[i]`` is global row ``rows[i]``.
+
+    ``rows`` is ``None`` for a whole shard (``values`` is the shard, from global row ``offsets[0]``):
+    written so when most rows changed, which is smaller than rows plus their numbers and gathers nothing.
+    """
 
     key: KeyPath
     offsets: tuple[int, ...]  # the shard's global offsets (row, column, ...)
-    rows: torch.Tensor  # int64, global row numbers
+    rows: torch.Tensor | None  # int64, global row numbers; None: every row of the shard
     values: torch.Tensor  # [len(rows), *shard.shape[1:]]
+
+    @property
+    def global_rows(self) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows
+        return torch.arange(self.offsets[0], self.offsets[0] + self.values.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + (self.rows.numel() * 8 if self.rows is not None else 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": list(self.key), "offsets": list(self.offsets), "rows": self.rows, "values": self.values}
@@ -85,19 +99,23 @@ def sharded_leaves(state: Any, prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, 
             yield from sharded_leaves(value, (*prefix, str(key)))
 
 
-def without_sharded(state: Any) -> Any:
-    """``state`` with every sharded tensor left out (what an incremental save writes in full: the dense state)."""
-    if isinstance(state, dict):
-        return {k: without_sharded(v) for k, v in state.items() if not is_sharded(v)}
-    return state
+def subset(state: dict[str, Any], keep: Callable[[KeyPath, Any], bool], prefix: KeyPath = ()) -> dict[str, Any]:
+    """The leaves of a nested dict state (same nesting, same objects) for which ``keep(key path, leaf)``; empty
+    dicts dropped. A leaf is anything but a dict: a tensor, a list of parameter groups, a number."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        path = (*prefix, str(key))
+        if isinstance(value, dict) and not is_sharded(value):
+            if inner := subset(value, keep, path):
+                out[key] = inner
+        elif keep(path, value):
+            out[key] = value
+    return out
 
 
-def only_sharded(state: Any) -> Any:
-    """``state`` with only its sharded tensors (same nesting), for loading them from a chain's full save."""
-    if isinstance(state, dict):
-        kept = {k: v if is_sharded(v) else only_sharded(v) for k, v in state.items()}
-        return {k: v for k, v in kept.items() if is_sharded(v) or (isinstance(v, dict) and v)}
-    return {}
+def without_sharded(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without its sharded tensors: what an incremental save writes in full (the dense state)."""
+    return subset(state, lambda _, leaf: not is_sharded(leaf))
 
 
 def changed_rows(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -125,21 +143,29 @@ def changed_rows(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
 
 
-def diff(current: dict[str, Any], previous: dict[int, Any]) -> tuple[list[RowRecord], int]:
+def diff(current: dict[str, Any], previous: dict[int, Any]) -> tuple[list[RowRecord], int, int]:
     """The records of every sharded leaf of ``current`` against its previous copy (``previous[id(leaf)]``).
 
-    Returns the records and the number of rows compared.
+    Returns the records, the rows that changed and the rows compared. Peak memory: the changed
+    rows gathered, which whole-shard records bound to about half the sharded state.
     """
     records: list[RowRecord] = []
-    compared = 0
+    compared = changed = 0
     for key, leaf in sharded_leaves(current):
         before = previous[id(leaf)]
         for (now, offsets), (then, _) in zip(shards_with_offsets(leaf), shards_with_offsets(before), strict=True):
             rows = changed_rows(now, then)
-            compared += now.shape[0] if now.dim() else 1
-            if rows.numel():
+            n = now.shape[0] if now.dim() else 1
+            compared += n
+            if not rows.numel():
+                continue
+            changed += rows.numel()
+            row_bytes = now[0].numel() * now.element_size() if now.dim() else now.element_size()
+            if rows.numel() * (row_bytes + 8) >= n * row_bytes:  # most rows: the shard whole is smaller, and no gather
+                records.append(RowRecord(key, offsets, None, now))
+            else:
                 records.append(RowRecord(key, offsets, rows + offsets[0], now[rows]))
-    return records, compared
+    return records, changed, compared
 
 
 def write(records: list[RowRecord], directory: Path, rank: int) -> dict[str, tuple[int, int]]:
@@ -173,7 +199,7 @@ def leaf_at(state: dict[str, Any], key: KeyPath) -> Any | None:
 def _paste(target: torch.Tensor, target_offsets: tuple[int, ...], record: RowRecord) -> int:
     """Write the record's rows that fall inside ``target`` (a shard at ``target_offsets``); returns how many."""
     values = record.values
-    local = record.rows - target_offsets[0]
+    local = record.global_rows - target_offsets[0]
     inside = (local >= 0) & (local < target.shape[0])
     if target.dim() > 1:  # columns: the overlap of the record's column range with the shard's
         lo = max(record.offsets[1], target_offsets[1])
@@ -198,7 +224,7 @@ def apply(records: Iterator[RowRecord], target: dict[str, Any]) -> int:
     """Apply ``records`` to the sharded leaves of ``target`` that this rank holds (any layout); returns rows written.
 
     A record for a tensor ``target`` does not hold (another world's extra state) is skipped;
-    one for a tensor it holds unsharded (a table now data-parallel) is pasted whole.
+    one for a tensor it holds unsharded (a table now data-parallel) is pasted into it whole.
     """
     written = 0
     for record in records:
@@ -221,4 +247,4 @@ def apply_whole(record: RowRecord, whole: torch.Tensor) -> int:
 
 
 def records_nbytes(records: list[RowRecord]) -> int:
-    return sum(r.values.numel() * r.values.element_size() + r.rows.numel() * 8 for r in records)
+    return sum(r.nbytes for r in records)

@@ -55,10 +55,21 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def verify(directory: Path, checksums: bool = True) -> str | None:
-    """``None`` if ``directory`` is a complete checkpoint (with its whole chain), else what is wrong, naming the file."""
-    problem = manifest.verify(directory, FORMAT, checksums)
-    if problem is not None:
+def verify(directory: Path, checksums: bool = True, seen: dict[tuple[str, Any], str | None] | None = None) -> str | None:
+    """``None`` if ``directory`` is a complete checkpoint (with its whole chain), else what is wrong, naming the file.
+
+    ``seen``: verdicts of directories verified before, by (name, commit), so that choosing among
+    many deltas of one chain reads each member once (:func:`newest_complete`).
+    """
+    seen = {} if seen is None else seen
+
+    def own(path: Path) -> str | None:
+        key = (path.name, (read_manifest(path, FORMAT) or {}).get("seq"))
+        if key not in seen:
+            seen[key] = manifest.verify(path, FORMAT, checksums)
+        return seen[key]
+
+    if (problem := own(directory)) is not None:
         return problem
     for link in chain_links(read_manifest(directory, FORMAT) or {}):
         member = directory.parent / link["name"]
@@ -66,7 +77,7 @@ def verify(directory: Path, checksums: bool = True) -> str | None:
         if seq != link["seq"]:
             found = "is missing" if not member.is_dir() else f"was replaced (commit {seq}, the chain needs {link['seq']})"
             return f"the checkpoint it builds on, {link['name']}, {found}"
-        if (problem := manifest.verify(member, FORMAT, checksums)) is not None:
+        if (problem := own(member)) is not None:
             return f"the checkpoint it builds on, {link['name']}, is damaged: {problem}"
     return None
 
@@ -75,6 +86,11 @@ def chain_links(fields: dict[str, Any]) -> list[dict[str, Any]]:
     """An incremental checkpoint's manifest's chain: ``[{"name", "seq"}, ...]``, its full save first ([] for a full one)."""
     links = fields.get("chain") or []
     return [link for link in links if isinstance(link, dict) and "name" in link and "seq" in link]
+
+
+def tracked_keys(path: Path) -> set[tuple[str, ...]]:
+    """An incremental checkpoint's row-tracked tensors (key paths in the checkpoint state); empty for a full one."""
+    return {tuple(key) for key in (read_manifest(path, FORMAT) or {}).get("tracked") or []}
 
 
 def chain_of(path: Path) -> list[Path]:
@@ -111,8 +127,9 @@ def next_seq(entries: list[CheckpointEntry]) -> int:
 
 def newest_complete(root: Path, checksums: bool = True) -> Path | None:
     """The newest checkpoint under ``root`` that passes :func:`verify`; warns about each one skipped."""
+    seen: dict[tuple[str, Any], str | None] = {}
     for entry in reversed(committed(root)):
-        problem = verify(entry.path, checksums)
+        problem = verify(entry.path, checksums, seen)
         if problem is None:
             return entry.path
         warnings.warn(f"Skipping checkpoint {str(entry.path)!r}: {problem}. Trying an older one.", stacklevel=2)
@@ -169,19 +186,17 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int,
                       known: dict[str, tuple[int, int]] | None = None,
-                      chain: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0, once every rank's DCP files are in ``tmp``: write ``lightning.pt``, number the commit, commit.
 
     The commit number orders checkpoints by when they were made, not by step: after a
     roll-back (fit from an older checkpoint) the new line of checkpoints is the newest. Both
     save paths (``trainer.save_checkpoint`` under ETTStrategy, AsyncCheckpoint's writer) end here.
-    ``chain``: an incremental checkpoint's (see :func:`chain_links`).
+    ``extra``: more manifest fields (an incremental checkpoint's ``kind``, ``chain``, ``tracked``).
     """
     torch.save(meta, tmp / META_FILE)
     seq = next_seq(committed(final.parent))
-    fields: dict[str, Any] = {"global_step": step, "time": time.time(), "seq": seq}
-    if chain:
-        fields.update(kind="delta", chain=chain)
+    fields: dict[str, Any] = {"global_step": step, "time": time.time(), "seq": seq, **(extra or {})}
     return commit_directory(tmp, final, FORMAT, fields, known=known)
 
 

@@ -369,10 +369,11 @@ class Stager:
 
     def _buffer_like(self, buffer: Any) -> Any:
         """A second buffer of the same layout (the new snapshot's, while the base keeps the old one)."""
+        shared = self._shared and shared_memory_fits(state_nbytes([buffer]))  # /dev/shm may hold one set, not two
         if _wraps_shards(buffer):
-            made = _shards_buffer(buffer, self._pinned, self._shared)
+            made = _shards_buffer(buffer, self._pinned, shared)
         else:
-            made = _create_cpu_state_dict({0: buffer}, pin_memory=self._pinned, share_memory=self._shared)[0]
+            made = _create_cpu_state_dict({0: buffer}, pin_memory=self._pinned, share_memory=shared)[0]
         self.nbytes += state_nbytes([made])
         return made
 

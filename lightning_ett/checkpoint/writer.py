@@ -168,11 +168,12 @@ class CheckpointWriter:
         return self.status()[0]
 
     def submit(self, snapshot: Snapshot, step: int, boundary_s: float = float("nan"),
-               on_committed: Callable[[Snapshot], None] | None = None) -> None:
+               on_committed: Callable[[Snapshot], None] | None = None, delta_budget: float | None = None) -> None:
         """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight).
 
         A snapshot with a base (``snapshot.previous``) is written as a delta of the last checkpoint
-        this writer committed; ``on_committed`` runs on every rank once the checkpoint is committed.
+        this writer committed — or in full if its rows, summed over the ranks, exceed
+        ``delta_budget`` bytes; ``on_committed`` runs on every rank once the checkpoint is committed.
         """
         assert not self.busy, "at most one save in flight"
         future: Future[WriteResult | None] = Future()
@@ -182,7 +183,7 @@ class CheckpointWriter:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, not this rank's GPU
             try:
-                result = self._write(snapshot, step, boundary_s)
+                result = self._write(snapshot, step, boundary_s, delta_budget)
                 if result is not _VOID and on_committed is not None:
                     on_committed(snapshot)
                 future.set_result(None if result is _VOID else result)
@@ -225,24 +226,24 @@ class CheckpointWriter:
             _ZIP_CRC_SKIP.release()
 
     # ------------------------------------------------------------------ worker thread
-    def _write(self, snapshot: Snapshot, step: int, boundary_s: float) -> WriteResult | None | object:
+    def _write(self, snapshot: Snapshot, step: int, boundary_s: float, delta_budget: float | None
+               ) -> WriteResult | None | object:
         """Write and commit; returns the result (rank 0), ``None`` (other ranks) or ``_VOID`` (dropped, not committed)."""
         start = time.perf_counter()
         final = self.root / fmt.checkpoint_name(step)
         tmp = temp_path(final)
         snapshot.copy_late()
         rows = (0, 0)
+        incremental = snapshot.previous is not None
         try:
             snapshot.wait_copied()
             state = snapshot.state["dcp"]
-            records = None
-            if snapshot.previous is not None:  # incremental: the sharded tensors' changed rows, the rest in full
-                records, compared = delta.diff(state, snapshot.previous)
-                rows = (sum(r.rows.numel() for r in records), compared)
-                state = delta.without_sharded(state)
-            checksums = dcp_io.write(state, tmp, self.group, collective=self.collective, staged=True)
-            if records is not None:
-                checksums.update(delta.write(records, tmp, self.rank))
+            checksums: dict[str, tuple[int, int]] = {}
+            if incremental:  # the sharded tensors' changed rows, the rest in full (unless the rows are too many)
+                incremental, rows, checksums = self._write_rows(snapshot, tmp, delta_budget)
+                if incremental:
+                    state = delta.without_sharded(state)
+            checksums.update(dcp_io.write(state, tmp, self.group, collective=self.collective, staged=True))
         except BaseException as e:
             said = explain(e, tmp)
             discard_unfinished(tmp)  # (a collective write's other ranks fail on it too: the save failed anyway)
@@ -258,8 +259,8 @@ class CheckpointWriter:
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums,
-                                      incremental=snapshot.previous is not None)
+                tracked = [list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"])] if incremental else None
+                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums, tracked)
             except Exception as e:
                 error = explain(e, tmp)
                 discard_unfinished(tmp)
@@ -273,7 +274,38 @@ class CheckpointWriter:
         if self.rank != 0:
             return None
         return WriteResult(step, final, time.perf_counter() - start, nbytes, boundary_s, snapshot.settle_wait_s,
-                           snapshot.late_bytes, snapshot.previous is not None, *rows)
+                           snapshot.late_bytes, incremental, *rows)
+
+    def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None
+                    ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]]]:
+        """This rank's changed rows into ``tmp``, then one agreement of every rank: all fine and within ``budget``?
+
+        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum).
+        The agreement comes before DCP's collective write, so a rank that failed here (out of
+        memory, disk full) fails the save on every rank instead of leaving them in the collective;
+        rows over budget turn the save into a full one on every rank (the restore bound holds).
+        """
+        error: str | None = None
+        nbytes, rows, sums = 0, (0, 0), {}
+        try:
+            records, changed, compared = delta.diff(snapshot.state["dcp"], snapshot.previous or {})
+            nbytes, rows = delta.records_nbytes(records), (changed, compared)
+            tmp.mkdir(parents=True, exist_ok=True)
+            sums = delta.write(records, tmp, self.rank)
+            del records  # the gathered rows: freed before DCP's write
+        except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+            error = explain(e, tmp)
+        everyone: list[Any] = [(error, nbytes)]
+        if self.collective and self.group is not None:
+            everyone = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, (error, nbytes), group=self.group)
+        failed = [(rank, said) for rank, (said, _) in enumerate(everyone) if said is not None]
+        if failed:
+            raise CheckpointWriteError(f"rank {failed[0][0]} could not write its rows: {failed[0][1]}")
+        if budget is not None and sum(n for _, n in everyone) > budget:
+            (tmp / delta.DELTA_FILE.format(rank=self.rank)).unlink(missing_ok=True)
+            return False, (0, 0), {}  # the chain would outgrow its bound: this save is full (on every rank)
+        return True, rows, sums
 
     def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]], rows: tuple[int, int]
                            ) -> tuple[bool, dict[str, tuple[int, int]], tuple[int, int]]:
@@ -289,16 +321,17 @@ class CheckpointWriter:
         return all(ok for ok, _, _ in everyone), merged, total
 
     def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int, checksums: dict[str, tuple[int, int]],
-                incremental: bool = False) -> int:
+                tracked: list[list[str]] | None = None) -> int:
         """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes.
 
-        A delta's manifest names its chain: the last checkpoint this writer committed and that one's chain.
+        A delta (``tracked``: the key paths of its row-tracked tensors) names its chain in its
+        manifest: the last checkpoint this writer committed and that one's chain.
         """
-        assert not incremental or self._chain, "a delta needs a committed checkpoint to build on"
-        chain = self._chain if incremental else None
+        assert tracked is None or self._chain, "a delta needs a committed checkpoint to build on"
+        delta_fields = {"kind": "delta", "chain": self._chain, "tracked": tracked} if tracked is not None else None
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
-        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, chain=chain)
-        self._chain = [*(chain or []), {"name": final.name, "seq": manifest["seq"]}]
+        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, extra=delta_fields)
+        self._chain = [*(self._chain if tracked is not None else []), {"name": final.name, "seq": manifest["seq"]}]
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
         return sum(f["bytes"] for f in manifest["files"].values())

@@ -57,32 +57,96 @@ def gathered(st: ShardedTensor) -> torch.Tensor:
     return out
 
 
-def test_a_delta_written_by_one_layout_applies_exactly_to_another(tmp_path, monkeypatch):
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A one-process gloo group: ShardedTensors ask for the rank."""
     import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    if not dist.is_initialized():  # ShardedTensor asks for the rank
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", "29581")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        g = torch.Generator().manual_seed(1)
-        old = torch.randn(40, 6, generator=g)
-        new = old.clone()
-        new[[2, 17, 18, 39]] = torch.randn(4, 6, generator=g)
-        # Written by a row-wise layout in 3 shards; read by a grid of 2 x 2 blocks of another cut.
-        previous_layout, current_layout = sharded(old, [0, 10, 30], [0]), sharded(new, [0, 10, 30], [0])
-        records, compared = delta.diff({"model": {"t": current_layout}}, {id(current_layout): previous_layout})
-        assert compared == 40 and sorted(r for rec in records for r in rec.rows.tolist()) == [2, 17, 18, 39]
-        delta.write(records, tmp_path, rank=0)
-        target = sharded(old, [0, 25], [0, 4])
-        assert delta.apply(delta.read(tmp_path), {"model": {"t": target}}) == 8  # 4 rows, each in 2 column blocks
-        assert torch.equal(gathered(target), new)
-        whole = old.clone()
-        for record in delta.read(tmp_path):
-            delta.apply_whole(record, whole)
-        assert torch.equal(whole, new)
-    finally:
-        dist.destroy_process_group()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_network_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_delta_written_by_one_layout_applies_exactly_to_another(tmp_path, one_rank):
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(40, 6, generator=g)
+    new = old.clone()
+    new[[2, 17, 18, 39]] = torch.randn(4, 6, generator=g)
+    # Written by a row-wise layout in 3 shards; read by a grid of 2 x 2 blocks of another cut.
+    previous_layout, current_layout = sharded(old, [0, 10, 30], [0]), sharded(new, [0, 10, 30], [0])
+    records, changed, compared = delta.diff({"model": {"t": current_layout}}, {id(current_layout): previous_layout})
+    assert (changed, compared) == (4, 40) and sorted(r for rec in records for r in rec.rows.tolist()) == [2, 17, 18, 39]
+    delta.write(records, tmp_path, rank=0)
+    target = sharded(old, [0, 25], [0, 4])
+    assert delta.apply(delta.read(tmp_path), {"model": {"t": target}}) == 8  # 4 rows, each in 2 column blocks
+    assert torch.equal(gathered(target), new)
+    whole = old.clone()
+    for record in delta.read(tmp_path):
+        delta.apply_whole(record, whole)
+    assert torch.equal(whole, new)
+
+
+class Saves:
+    """AsyncCheckpoint's writing path without a Trainer: the stager and the writer, one save at a time."""
+
+    def __init__(self, root: Path) -> None:
+        from lightning_ett.checkpoint.staging import Stager
+        from lightning_ett.checkpoint.writer import CheckpointWriter
+
+        self.root, self.stager = root, Stager()
+        self.writer = CheckpointWriter(root, 0, True, None, None)
+
+    def save(self, step: int, model: dict, budget: float | None = None):  # type: ignore[no-untyped-def]
+        state = {"dcp": {"model": model}, "meta": {"global_step": step}}
+        snapshot = self.stager.stage(state, set(), keep_base=True, as_delta=self.stager.can_diff(state))
+        self.writer.submit(snapshot, step, on_committed=self.stager.mark_base, delta_budget=budget)
+        snapshot.settle()
+        return self.writer.wait()
+
+
+def one_shard(t: torch.Tensor) -> ShardedTensor:
+    return sharded(t, [0], [0] if t.dim() > 1 else [])
+
+
+def test_a_table_sharded_when_saved_and_data_parallel_on_restore_or_the_reverse_restores_exactly(tmp_path, one_rank):
+    from lightning_ett.checkpoint import chain
+
+    saves = Saves(tmp_path)
+    ta, tb, w = torch.zeros(8, 4), torch.zeros(8, 4), torch.zeros(3)  # ta sharded, tb data-parallel, w dense
+    assert not saves.save(1, {"ta": one_shard(ta), "tb": tb, "w": w}).incremental
+    for step, row in ((2, 1), (3, 3)):
+        ta[row] += 1
+        tb[row + 1] += 1
+        w += 1
+        assert saves.save(step, {"ta": one_shard(ta), "tb": tb, "w": w}).incremental
+    three = tmp_path / fmt.checkpoint_name(3)
+    assert fmt.tracked_keys(three) == {("model", "ta")}
+    for shard_a, shard_b in ((True, False), (False, True), (False, False), (True, True)):
+        target = {"model": {"ta": one_shard(torch.full((8, 4), -1.0)) if shard_a else torch.full((8, 4), -1.0),
+                            "tb": one_shard(torch.full((8, 4), -1.0)) if shard_b else torch.full((8, 4), -1.0),
+                            "w": torch.zeros(3)}}
+        chain.load_into(target, three)
+        got = {k: v.local_shards()[0].tensor if isinstance(v, ShardedTensor) else v for k, v in target["model"].items()}
+        assert torch.equal(got["ta"], ta) and torch.equal(got["tb"], tb) and torch.equal(got["w"], w), (shard_a, shard_b)
+
+
+def test_rows_over_the_budget_make_the_save_full_and_a_mostly_changed_shard_is_written_whole(tmp_path, one_rank):
+    saves = Saves(tmp_path)
+    table = torch.zeros(100, 4)
+    saves.save(1, {"t": one_shard(table)})
+    table[:3] += 1  # 3 rows: 3 x (16 + 8) bytes
+    assert not saves.save(2, {"t": one_shard(table)}, budget=50).incremental  # over the budget: full
+    table[:3] += 1
+    assert saves.save(3, {"t": one_shard(table)}, budget=100).incremental
+    (record,) = delta.read(tmp_path / fmt.checkpoint_name(3))
+    assert record.rows.tolist() == [0, 1, 2]
+    table[:90] += 1  # most rows: the shard whole, no row numbers
+    assert saves.save(4, {"t": one_shard(table)}).incremental
+    (record,) = delta.read(tmp_path / fmt.checkpoint_name(4))
+    assert record.rows is None and torch.equal(record.values, table)
 
 
 def commit(root: Path, step: int, seq: int, chain: list[tuple[int, int]] = ()) -> Path:
