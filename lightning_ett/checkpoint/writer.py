@@ -239,8 +239,9 @@ class CheckpointWriter:
             snapshot.wait_copied()
             state = snapshot.state["dcp"]
             checksums: dict[str, tuple[int, int]] = {}
+            tracked: list[list[str]] | None = None
             if incremental:  # the sharded tensors' changed rows, the rest in full (unless the rows are too many)
-                incremental, rows, checksums = self._write_rows(snapshot, tmp, delta_budget)
+                incremental, rows, checksums, tracked = self._write_rows(snapshot, tmp, delta_budget)
                 if incremental:
                     state = delta.without_sharded(state)
             checksums.update(dcp_io.write(state, tmp, self.group, collective=self.collective, staged=True))
@@ -259,7 +260,6 @@ class CheckpointWriter:
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                tracked = [list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"])] if incremental else None
                 nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums, tracked)
             except Exception as e:
                 error = explain(e, tmp)
@@ -277,10 +277,11 @@ class CheckpointWriter:
                            snapshot.late_bytes, incremental, *rows)
 
     def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None
-                    ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]]]:
+                    ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]], list[list[str]] | None]:
         """This rank's changed rows into ``tmp``, then one agreement of every rank: all fine and within ``budget``?
 
-        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum).
+        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum,
+        the row-tracked tensors' key paths of every rank: each rank holds its own tables' optimizer state).
         The agreement comes before DCP's collective write, so a rank that failed here (out of
         memory, disk full) fails the save on every rank instead of leaving them in the collective;
         rows over budget turn the save into a full one on every rank (the restore bound holds).
@@ -295,17 +296,19 @@ class CheckpointWriter:
             del records  # the gathered rows: freed before DCP's write
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
             error = explain(e, tmp)
-        everyone: list[Any] = [(error, nbytes)]
+        mine = sorted(list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"]))
+        everyone: list[Any] = [(error, nbytes, mine)]
         if self.collective and self.group is not None:
             everyone = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(everyone, (error, nbytes), group=self.group)
-        failed = [(rank, said) for rank, (said, _) in enumerate(everyone) if said is not None]
+            dist.all_gather_object(everyone, (error, nbytes, mine), group=self.group)
+        failed = [(rank, said) for rank, (said, _, _) in enumerate(everyone) if said is not None]
         if failed:
             raise CheckpointWriteError(f"rank {failed[0][0]} could not write its rows: {failed[0][1]}")
-        if budget is not None and sum(n for _, n in everyone) > budget:
+        if budget is not None and sum(n for _, n, _ in everyone) > budget:
             (tmp / delta.DELTA_FILE.format(rank=self.rank)).unlink(missing_ok=True)
-            return False, (0, 0), {}  # the chain would outgrow its bound: this save is full (on every rank)
-        return True, rows, sums
+            return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
+        tracked = sorted({tuple(key) for _, _, keys in everyone for key in keys})
+        return True, rows, sums, [list(key) for key in tracked]
 
     def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]], rows: tuple[int, int]
                            ) -> tuple[bool, dict[str, tuple[int, int]], tuple[int, int]]:
