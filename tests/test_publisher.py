@@ -164,6 +164,9 @@ def test_a_publisher_without_async_checkpoint_or_with_a_wrong_submodule_is_refus
         ({"dirpath": "p", "metrics": ["loss", "loss"]}, "is repeated"),
         ({"dirpath": "p", "submodule": ""}, "submodule=''"),
         ({"dirpath": "p", "end_timeout_s": 0}, "end_timeout_s=0"),
+        ({"dirpath": "p", "deltas": 1}, "deltas=1"),
+        ({"dirpath": "p", "deltas": True, "full_every_n_versions": True}, "full_every_n_versions=True"),
+        ({"dirpath": "p", "full_every_n_versions": 2}, "applies only with deltas=True"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):

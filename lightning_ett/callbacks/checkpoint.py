@@ -25,7 +25,7 @@ from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, 
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
-from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, explain
+from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, check_full_every, explain
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUseError, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
@@ -188,13 +188,7 @@ class AsyncCheckpoint(Checkpoint):
             raise ConfigurationTypeError(f"AsyncCheckpoint(overlap_staging={overlap_staging!r}): expected True or False.")
         if not isinstance(incremental, bool):
             raise ConfigurationTypeError(f"AsyncCheckpoint(incremental={incremental!r}): expected True or False.")
-        if full_every_n_saves is not None and (not isinstance(full_every_n_saves, int)
-                                               or isinstance(full_every_n_saves, bool) or full_every_n_saves < 1):
-            raise ConfigurationError(f"AsyncCheckpoint(full_every_n_saves={full_every_n_saves!r}): expected an int >= 1 "
-                                     "(1: every save full), or None to start a new full save by the chain's measured size.")
-        if full_every_n_saves is not None and not incremental:
-            raise ConfigurationError(f"AsyncCheckpoint(full_every_n_saves={full_every_n_saves!r}) applies only to "
-                                     "incremental saves: pass incremental=True too, or drop it.")
+        check_full_every("AsyncCheckpoint", "full_every_n_saves", full_every_n_saves, "incremental", incremental, "save")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
         self.auto = auto

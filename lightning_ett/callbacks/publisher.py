@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_ett.callbacks.checkpoint import AsyncCheckpoint
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.checkpoint.layout import PIN_FILE
-from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError
+from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, check_full_every
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.instrument.timeline import PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -107,13 +107,7 @@ class ModelPublisher(Callback):
             raise ConfigurationError(f"ModelPublisher(end_timeout_s={end_timeout_s!r}): expected a number of seconds > 0.")
         if not isinstance(deltas, bool):
             raise ConfigurationTypeError(f"ModelPublisher(deltas={deltas!r}): expected True or False.")
-        if full_every_n_versions is not None and (not isinstance(full_every_n_versions, int)
-                                                  or isinstance(full_every_n_versions, bool) or full_every_n_versions < 1):
-            raise ConfigurationError(f"ModelPublisher(full_every_n_versions={full_every_n_versions!r}): expected an int "
-                                     ">= 1, or None to start a new full version by the chain's size.")
-        if full_every_n_versions is not None and not deltas:
-            raise ConfigurationError(f"ModelPublisher(full_every_n_versions={full_every_n_versions!r}) applies only to "
-                                     "delta versions: pass deltas=True too, or drop it.")
+        check_full_every("ModelPublisher", "full_every_n_versions", full_every_n_versions, "deltas", deltas, "version")
         self.dirpath = Path(dirpath)
         self.keep_last_n = keep_last_n
         self.metrics = list(metrics)

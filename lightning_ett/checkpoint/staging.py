@@ -329,7 +329,8 @@ class Stager:
         against (only if :attr:`has_base` and the buffers were not reallocated).
         """
         signature = _signature(state)
-        cuda = any(entry[3] == "cuda" for entry in signature)
+        # (the parts, not the leaves: a ShardedTensor reports "cpu" whatever its shards' device)
+        cuda = any(part.is_cuda for leaf in _leaves(state) for part in _parts(leaf))
         if self._buffers is None or signature != self._signature:
             self._allocate(list(_leaves(state)), signature, cuda)
         assert self._buffers is not None

@@ -77,5 +77,18 @@ class ConfigurationError(ValueError):
     """
 
 
+def check_full_every(owner: str, name: str, value: object, switch: str, switched_on: bool, what: str) -> None:
+    """Validate a "full every N" argument that only applies with its switch (``AsyncCheckpoint(incremental=True)``,
+    ``ModelPublisher(deltas=True)``): ``None``, or an int >= 1 given together with the switch."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigurationError(f"{owner}({name}={value!r}): expected an int >= 1 (1: every one full), or None to start "
+                                 f"a new full {what} by the chain's measured size.")
+    if not switched_on:
+        raise ConfigurationError(f"{owner}({name}={value!r}) applies only with {switch}=True: pass {switch}=True too, "
+                                 "or drop it.")
+
+
 class ConfigurationTypeError(ConfigurationError, TypeError):
     """A :class:`ConfigurationError` about an argument's type (still a ``TypeError`` to those who catch one)."""
