@@ -184,3 +184,22 @@ def test_a_kill_while_a_delta_is_written_leaves_nothing_complete_and_the_restart
         assert b["global_step"] == 12 and len(b["losses"]) == 10
         assert_equal_trees(a["model"], b["model"])
         assert_equal_trees(a["fused"], b["fused"])
+
+
+def test_a_job_killed_mid_run_resumes_from_full_plus_deltas_and_ends_as_an_uninterrupted_run(tmp_path, uninterrupted_dlrm):
+    # The acceptance case: rank 1 is SIGKILLed at step 9 of the first attempt; `lightning run` restarts the job,
+    # which resumes by itself from the newest delta (full save 2, deltas 4, 6 and 8 unless 8 was still being written).
+    ckpt = tmp_path / "ckpt"
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", *CHAIN, "--ckpt-dir", str(ckpt),
+                  "--kill-at", "9", run_dir=tmp_path / "ett", max_restarts=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = ("".join(p.read_text() for p in (tmp_path / "ett").glob(f"worker_logs/**/attempt_{a}/0/std*.log"))
+                     for a in (0, 1))
+    (resumed,) = re.findall(r"resuming from the newest complete checkpoint \S*step-0*(\d+)\n", second)
+    assert int(resumed) in (6, 8) and f"step {resumed} is durable at {step_dir(ckpt, int(resumed))} (a delta" in first
+    full, _ = uninterrupted_dlrm
+    for a, b in zip(full, rank_facts(tmp_path), strict=True):
+        assert b["global_step"] == 12 and len(b["losses"]) == 12 - int(resumed)
+        assert a["losses"][int(resumed):] == b["losses"]
+        assert_equal_trees(a["model"], b["model"])
+        assert_equal_trees(a["fused"], b["fused"])
