@@ -103,11 +103,12 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary directory)")
-    parser.add_argument("--configs", default="all", help="comma-separated indices into CONFIGS (default all)")
+    parser.add_argument("--configs", default="all", help="indices into CONFIGS (0,2), 'all' or 'none' (only restores)")
     args = parser.parse_args()
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ett-incremental-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    configs = CONFIGS if args.configs == "all" else [CONFIGS[int(i)] for i in args.configs.split(",")]
+    named = {"all": list(CONFIGS), "none": []}
+    configs = named[args.configs] if args.configs in named else [CONFIGS[int(i)] for i in args.configs.split(",")]
     print(f"machine: {os.cpu_count()} CPUs; {args.gib:g} GiB of tables; checkpoints under {base}", flush=True)
     restores: list[dict] = []
     for stream, every, window in configs:

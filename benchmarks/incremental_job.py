@@ -21,7 +21,7 @@ training time they cost (window wall minus window steps x the baseline median st
 slowdown, as checkpoint_cost.py defines it), and the fraction of rows each interval touched.
 
 ``--restore``: keep every checkpoint and, after the window, time restoring each on every rank
-(page cache dropped first), with its chain length.
+(page cache dropped first), with its chain length, after one untimed warm-up restore.
 """
 
 from __future__ import annotations
@@ -192,7 +192,10 @@ def restore_times(trainer: Trainer, root: Path) -> list[dict[str, Any]]:
 
     strategy = trainer.strategy
     results = []
-    for entry in fmt.committed(root):
+    entries = fmt.committed(root)
+    sharded.load_model(entries[0].path, strategy.model)  # warm-up, not timed: the first load's one-time costs
+    sharded.load_fused(entries[0].path, strategy.fused_optimizer_instance)
+    for entry in entries:
         chain = fmt.chain_of(entry.path)
         for member in chain:
             for f in member.iterdir():
