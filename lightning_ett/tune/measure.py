@@ -10,7 +10,8 @@ Read from the ETT ledger every trial writes (ETTMonitor under ``lightning run``)
 * **startup_s**: from the job's start to its first training step (launch, imports, process
   group, model, plan, data, compiles before the first step).
 * **save_cost_s**: what one checkpoint save cost training, as AsyncCheckpoint measured it (its
-  cadence fact), when the trial saved.
+  cadence fact), when the trial saved; **save_interval_steps** and **cadence_mode**: the interval
+  it saved at and whether it was fixed or ``"auto"`` (from the same fact).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Measurement:
     steps_counted: int = 0
     startup_s: float | None = None
     save_cost_s: float | None = None
+    save_interval_steps: int | None = None
+    cadence_mode: str | None = None  # "fixed" or "auto"
     phases: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,6 +80,9 @@ def measure(run_dir: Path, steps: int) -> Measurement:
         step_times.append(median)
         counted += len(steady)
     cadence = summary.facts_named(CADENCE_FACT)
-    save_cost = float(cadence[-1]["save_cost_s"]) if cadence else None
+    last = cadence[-1] if cadence else {}
+    save_cost = float(last["save_cost_s"]) if cadence else None
+    interval = int(last["interval_steps"]) if cadence else None
     startup = (first_step - summary.job_start) if first_step is not None else None
-    return Measurement(True, None, throughput, statistics.mean(step_times), counted, startup, save_cost, summary.phases)
+    return Measurement(True, None, throughput, statistics.mean(step_times), counted, startup, save_cost, interval,
+                       last.get("mode"), summary.phases)
