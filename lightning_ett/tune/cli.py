@@ -1,11 +1,11 @@
 """``lightning-ett tune``: check everything that can be checked, then search, then write what was found.
 
-Before any trial: the space parses and no option has an empty list; the budget covers the
-initial sample; ``--out`` is writable (and, resumed, holds a tune of the same space and
-settings); every option name exists in the script's LightningCLI configuration (read with the
-script's own ``--print_config``, close matches listed); ``--objective ett`` has its hours and a
-script that checkpoints with AsyncCheckpoint. A trial then adds ETTMonitor when the script's
-configuration has none (its ledger is the measurement).
+Before any trial: the space parses and no option has an empty list; the budget shows every
+value once; ``--out`` is writable (and, resumed, holds a tune of the same space and settings);
+every option name exists in the script's LightningCLI configuration (read with the script's own
+``--print_config``, close matches listed); ``--objective ett`` has its hours, an MTBF (stated or
+from a ledger) and a script that checkpoints with AsyncCheckpoint. A trial then adds ETTMonitor
+when the script's configuration has none (its ledger is the measurement).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from rich.console import Console
 
 from lightning_ett.durable.files import atomic_write_text, writable_dir_error
 from lightning_ett.tune.measure import Measurement
-from lightning_ett.tune.objective import OBJECTIVES, score
-from lightning_ett.tune.space import Space, SpaceError, key
+from lightning_ett.tune.objective import OBJECTIVES, mtbf_hours_from, score
+from lightning_ett.tune.samplers import DEFAULT_SAMPLER, SAMPLERS
+from lightning_ett.tune.space import Space, SpaceError
 from lightning_ett.tune.trials import Trial, TrialLog, TrialRunner, absolute_paths
 
 if TYPE_CHECKING:
@@ -43,30 +44,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tune = sub.add_parser(
         "tune", help="Find the fastest settings of a LightningCLI script's knobs in a few real trials, with an ML proxy.",
         description="Each trial is `lightning run` of SCRIPT for --steps steps with one configuration of the options "
-        "in --space; a gradient-boosting proxy trained on the trials picks the next ones. Arguments after `--`, and "
-        "any this command does not know, go to SCRIPT (its LightningCLI subcommand, `fit`, is added if missing).",
+        "in --space; Optuna's TPE picks the next ones (or our proxy, or random: --sampler), then the best few run "
+        "--confirm-runs more times and the best median wins; a proxy fitted on the trials reports predicted vs measured. "
+        "In all, --budget + "
+        "--confirm-top x --confirm-runs trials. Arguments after `--`, and any this command does not know, go to SCRIPT "
+        "(its LightningCLI subcommand, `fit`, is added if missing).",
     )
     tune.add_argument("script", metavar="SCRIPT", help="A LightningCLI script (e.g. examples/dlrm_example.py).")
     tune.add_argument("--space", required=True, metavar="SPACE.yaml",
                       help="LightningCLI option names mapped to the values to try, e.g. `data.batch_size: [256, 512]`.")
-    tune.add_argument("--budget", required=True, type=int, metavar="N", help="Trials to run, in all.")
+    tune.add_argument("--budget", required=True, type=int, metavar="N",
+                      help="Configurations to try, one trial each (the confirmation's re-runs come on top).")
     tune.add_argument("--steps", required=True, type=int, metavar="M", help="Training steps per trial.")
     tune.add_argument("--out", required=True, metavar="DIR", help="trials.json, best.yaml, tune_report.png, trial dirs. "
                       "Run again with the same DIR to continue a tune.")
     tune.add_argument("--devices", type=int, default=1, metavar="D", help="Processes per trial (default 1).")
     tune.add_argument("--objective", choices=OBJECTIVES, default="throughput",
-                      help="throughput: training samples/s; ett: the ETT%% a --job-hours job failing every "
-                      "--mtbf-hours would reach with the trial's start-up and checkpoint costs.")
+                      help="throughput: steady training samples/s; ett: samples trained per hour of a --job-hours "
+                      "job's wall time, with the trial's start-up, save cost and cadence, failing every --mtbf-hours.")
     tune.add_argument("--job-hours", type=float, default=None, help="--objective ett: the job's training hours.")
     tune.add_argument("--mtbf-hours", type=float, default=None, help="--objective ett: hours between failures.")
+    tune.add_argument("--mtbf-from", default=None, metavar="RUN_DIR",
+                      help="--objective ett: read the MTBF from a previous job's ETT ledger instead of --mtbf-hours.")
+    tune.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER,
+                      help="Who picks the configurations: tpe (Optuna's TPE, the default: it beat the proxy on the "
+                      "held-out benchmark), proxy (ours: a D-optimal design, then a Gaussian process), random.")
+    tune.add_argument("--confirm-top", type=int, default=2, metavar="K",
+                      help="Configurations with the best median re-run at the end (default 2; 0: no confirmation).")
+    tune.add_argument("--confirm-runs", type=int, default=2, metavar="R",
+                      help="Re-runs of each of them; the best median wins (default 2).")
     tune.add_argument("--seed", type=int, default=0, help="Seeds the initial sample, exploration and the proxy.")
     tune.add_argument("--per-round", type=int, default=3, metavar="K",
-                      help="Trials per round after the initial sample: K-1 the proxy ranks best, 1 to explore (default 3).")
+                      help="Trials per round after the initial design: K-1 the proxy ranks best, 1 to explore "
+                      "(default 3; --sampler tpe or random: 1 per round).")
     tune.add_argument("--trial-timeout", type=float, default=1800.0, metavar="SECONDS",
                       help="A trial running longer is stopped and counts as failed (default 1800).")
 
 
 def run(args: argparse.Namespace, script_args: list[str]) -> int:
+    from lightning_ett.tune.samplers import make_sampler
     from lightning_ett.tune.search import search  # scikit-learn and SciPy: only for this command
 
     console = Console()
@@ -77,13 +93,21 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
         return 2
     space, runner, log, header = plan
     objective = partial(_objective, objective=args.objective, job_hours=args.job_hours, mtbf_hours=args.mtbf_hours)
-    console.print(f"lightning-ett tune: {space.size} configurations, budget {args.budget} "
-                  f"({len(log.trials)} done already), initial sample {space.initial_size}, {args.steps} steps per trial")
+    sampler = make_sampler(args.sampler, space, args.budget, args.seed, log_target=True)
+    first = f"sampler {args.sampler}, {space.initial_size(args.budget)} " + \
+        ("trials of initial design" if args.sampler == "proxy" else "random start-up trials" if args.sampler == "tpe" else "")
+    confirm = f" + {args.confirm_top} x {args.confirm_runs} confirmation runs" if args.confirm_top else ""
+    console.print(f"lightning-ett tune: {space.size} configurations, budget {args.budget}{confirm} "
+                  f"({len(log.trials)} done already), {first}, {args.steps} steps per trial")
+    if args.objective == "ett":
+        console.print(f"objective ett: samples per hour of a {args.job_hours:g} h job failing every "
+                      f"{args.mtbf_hours:.3g} h ({args.mtbf_source})")
 
     def on_trial(t: Trial) -> None:
         shown = f"{args.objective} {t.objective:.4g}" if t.objective is not None else f"[red]failed[/red]: {t.reason}"
         predicted = f" (proxy predicted {t.predicted:.4g})" if t.predicted is not None else ""
-        console.print(f"trial {t.index} (round {t.round}, {t.seconds:.0f} s): {t.config} → {shown}{predicted}")
+        what = f"confirmation run {t.repeat}" if t.repeat else f"round {t.round}"
+        console.print(f"trial {t.index} ({what}, {t.seconds:.0f} s): {t.config} → {shown}{predicted}")
 
     def on_round(r: RoundReport) -> None:
         rho = f"{r.cv_spearman:.2f}" if r.cv_spearman is not None else "n/a (< 3 trials, or constant)"
@@ -91,29 +115,32 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
         console.print(f"[bold]round {r.round}[/bold]: {r.trials} trials, best {args.objective} {best}; proxy "
                       f"leave-one-out Spearman {rho}")
 
-    rounds = search(space, runner, objective, log, args.budget, seed=args.seed, per_round=args.per_round,
-                    log_target=args.objective == "throughput", header=header, on_trial=on_trial, on_round=on_round)
-    return finish(space, log, rounds, Path(args.out), args.objective, args.seed, console)
+    per_round = args.per_round if args.sampler == "proxy" else 1
+    rounds = search(space, runner, objective, log, args.budget, sampler, per_round=per_round, seed=args.seed,
+                    confirm_top=args.confirm_top, confirm_runs=args.confirm_runs, header=header, on_trial=on_trial,
+                    on_round=on_round)
+    return finish(space, log, rounds, Path(args.out), args.objective, args.seed, args.confirm_runs, console)
 
 
 def finish(space: Space, log: TrialLog, rounds: list[RoundReport], out: Path, objective: str, seed: int,
-           console: Console) -> int:
-    from lightning_ett.tune.report import print_table, write_best, write_png, write_predictions
-    from lightning_ett.tune.search import final_predictions, ok_trials
+           confirm_runs: int, console: Console) -> int:
+    import random
 
-    ok = ok_trials(log)
-    done = {t.key for t in log.trials}
-    untried = [c for c in space.configurations() if key(c) not in done][:5000]
-    tried, predicted = final_predictions(space, log, seed, objective == "throughput", untried)
+    from lightning_ett.tune.report import print_table, write_best, write_png, write_predictions
+    from lightning_ett.tune.search import best, final_predictions
+
+    untried = space.untried(random.Random(seed), {t.key for t in log.trials})
+    tried, predicted = final_predictions(space, log, seed, True, untried)
     print_table(log, objective, tried, predicted, console)
     write_png(out, log, rounds, tried, objective)
     write_predictions(out, tried, predicted)
-    if not ok:
+    winner = best(log, confirm_runs)
+    if winner is None:
         console.print("[red]lightning-ett tune: no trial succeeded; see the failures above.[/red]")
         return 1
-    best = max(ok, key=lambda t: t.objective)  # type: ignore[arg-type, return-value]
-    path = write_best(out, best.config, objective, best.objective)  # type: ignore[arg-type]
-    console.print(f"best: trial {best.index} {best.config} → {objective} {best.objective:.4g}; {path} "
+    path = write_best(out, winner, objective)
+    spread = f" (runs {', '.join(f'{v:.4g}' for v in winner.values)})" if len(winner.values) > 1 else " (one run)"
+    console.print(f"best: {winner.config} → median {objective} {winner.median:.4g}{spread}; {path} "
                   f"(pass it with --config after the script's own)")
     return 0
 
@@ -126,15 +153,24 @@ def _objective(measurements: dict[str, Any], objective: str, job_hours: float | 
 def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, TrialRunner, TrialLog, dict[str, Any]]:
     """Every check that needs no trial; raises :class:`TuneError` (or SpaceError, PermissionError)."""
     for name, value, low in (("--budget", args.budget, 1), ("--steps", args.steps, 1), ("--devices", args.devices, 1),
-                             ("--per-round", args.per_round, 1)):
+                             ("--per-round", args.per_round, 1), ("--confirm-top", args.confirm_top, 0),
+                             ("--confirm-runs", args.confirm_runs, 0)):
         if value < low:
             raise TuneError(f"{name} {value}: expected an integer >= {low}.")
     space = Space.load(args.space)
-    if args.budget < space.initial_size:
-        raise TuneError(f"--budget {args.budget} is smaller than the initial sample ({space.initial_size} trials: every "
-                        f"value of every option once); give --budget {space.initial_size} or more.")
+    if args.budget < space.min_budget:
+        raise TuneError(f"--budget {args.budget} is smaller than the initial design ({space.min_budget} trials: every "
+                        f"value of every option once); give --budget {space.min_budget} or more.")
+    args.mtbf_source = "stated: --mtbf-hours"
     if args.objective == "ett":
-        for name, value in (("--job-hours", args.job_hours), ("--mtbf-hours", args.mtbf_hours)):
+        if args.mtbf_from is not None and args.mtbf_hours is not None:
+            raise TuneError("--mtbf-hours and --mtbf-from both give the MTBF; give one.")
+        if args.mtbf_from is not None:
+            try:
+                args.mtbf_hours, args.mtbf_source = mtbf_hours_from(args.mtbf_from)
+            except (FileNotFoundError, ValueError) as err:
+                raise TuneError(f"--mtbf-from {args.mtbf_from!r}: no ETT ledger to read the MTBF from ({err}).") from err
+        for name, value in (("--job-hours", args.job_hours), ("--mtbf-hours (or --mtbf-from)", args.mtbf_hours)):
             if value is None or not value > 0:
                 raise TuneError(f"--objective ett needs {name} > 0 (got {value}).")
     script = Path(args.script).resolve()
@@ -153,12 +189,13 @@ def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, Tr
     classes = [c.get("class_path", "") if isinstance(c, dict) else str(c) for c in callbacks]
     if not any(c.endswith("ETTMonitor") for c in classes):
         script_args.append(f"--trainer.callbacks+={ETT_MONITOR}")
-    if args.objective == "ett" and not any(c.endswith("AsyncCheckpoint") for c in classes):
+    if args.objective == "ett" and not any(c.endswith("AsyncCheckpoint") for c in classes) \
+            and "AsyncCheckpoint" not in script.read_text(errors="replace"):  # (or added by the script itself)
         raise TuneError("--objective ett needs the script to checkpoint with lightning_ett.AsyncCheckpoint (its measured "
                         "save cost is one of the objective's terms); add it to the script's callbacks.")
     header = {"script": str(script), "script_args": script_args, "space": space.options, "objective": args.objective,
               "steps": args.steps, "devices": args.devices, "seed": args.seed, "job_hours": args.job_hours,
-              "mtbf_hours": args.mtbf_hours}
+              "mtbf_hours": args.mtbf_hours, "sampler": args.sampler, "budget": args.budget}
     log = TrialLog(out)
     _check_same_tune(log, header)
     runner = TrialRunner(script, script_args, args.steps, args.devices, out, args.trial_timeout)
@@ -171,7 +208,8 @@ def _check_same_tune(log: TrialLog, header: dict[str, Any]) -> None:
     import json
 
     before = json.loads(log.path.read_text())
-    differs = [k for k in ("script", "space", "objective", "steps", "devices", "seed") if before.get(k) != header[k]]
+    differs = [k for k in ("script", "space", "objective", "steps", "devices", "seed", "sampler")
+               if before.get(k, "proxy" if k == "sampler" else None) != header[k]]  # (older tunes: the proxy's)
     if differs:
         raise TuneError(f"--out {str(log.path.parent)!r} holds a tune with another {', '.join(differs)}; continue it with "
                         "the same settings, or give another --out.")

@@ -1,48 +1,74 @@
-"""What a trial is worth: its training throughput, or the ETT% the whole job would reach with its costs.
+"""What a trial is worth: its steady throughput, or the samples a whole job would train per hour of wall time.
 
-``ett`` uses AsyncCheckpoint's ``"auto"`` cost model (:mod:`lightning_ett.checkpoint.cadence`)
-for a job that trains ``job_hours`` and fails every ``mtbf_hours`` on average:
+* ``throughput``: training samples per second in the steady state
+  (:mod:`lightning_ett.tune.measure`).
+* ``ett``: samples trained per hour of the job's wall time — what the ETT% is about, in units
+  that also reward speed. A job that trains ``job_hours`` and fails every ``mtbf_hours`` on
+  average, with the trial's measured steady throughput ``X``, start-up ``S`` and save cost
+  ``C`` (AsyncCheckpoint's measurement: what one save blocked training), saving every ``T``
+  seconds of training, spends::
 
-* it checkpoints at Young's interval ``T = sqrt(2·C·MTBF)``, ``C`` the trial's measured save cost,
-  which costs ``C/T + T/(2·MTBF)`` of the training time (saves, and work lost per failure);
-* it starts once, and again after each of its ``job_hours / mtbf_hours`` failures, each start
-  costing the trial's measured start-up (a restart is taken to cost a first start: no warm
-  compile or plan cache assumed, which makes configurations with long start-ups pay in full);
-* ETT% = training time / (training time + starts + saves + lost work).
+      wall = train + starts·S + train·C/T + failures·T/2,   starts = 1 + failures,  failures = train / MTBF
 
-Not modelled: failure detection and teardown, a restart's checkpoint load, and a slower start
-of later attempts; the figure is a ranking device, not a promise.
+  ``T`` is the trial's own interval (``every_n_train_steps`` × its steady step) when it saved
+  at a fixed cadence, so the cadence is a knob like any other; with ``every_n_train_steps="auto"``
+  it is Young's interval ``sqrt(2·C·MTBF)``, which "auto" converges to. The figure is
+  ``X · train / wall`` per hour; ``ETT% = train / wall`` is reported beside it.
+
+  Not modelled: failure detection and teardown, a restart's checkpoint load, and a faster start
+  of later attempts (warm caches): a restart is charged the trial's first start, in full. It is a
+  ranking device, not a promise.
+
+The MTBF is stated (``--mtbf-hours``) or read from a previous job's ledger (``--mtbf-from
+RUN_DIR``: its wall time over its failures, as AsyncCheckpoint's "auto" cadence estimates it).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from lightning_ett.checkpoint.cadence import young_daly_interval_s
+from lightning_ett.checkpoint.cadence import estimate_mtbf_s, young_daly_interval_s
 from lightning_ett.tune.measure import Measurement
 
 OBJECTIVES = ("throughput", "ett")
 
 
-def ett_percent(startup_s: float, save_cost_s: float, job_hours: float, mtbf_hours: float) -> float:
-    train_s, mtbf_s = 3600 * job_hours, 3600 * mtbf_hours
-    starts = 1 + train_s / mtbf_s
-    if save_cost_s > 0:
-        interval = min(young_daly_interval_s(save_cost_s, mtbf_s), train_s)
-        per_train_s = save_cost_s / interval + interval / (2 * mtbf_s)
+def ett_fraction(m: Measurement, job_hours: float, mtbf_hours: float) -> float | None:
+    """Training time ÷ wall time of the modelled job, or ``None`` when the trial lacks a start-up or a save."""
+    if m.startup_s is None or m.save_cost_s is None or m.step_s is None:
+        return None
+    train_s, mtbf_s, cost = 3600 * job_hours, 3600 * mtbf_hours, max(m.save_cost_s, 0.0)
+    failures = train_s / mtbf_s
+    if m.cadence_mode == "fixed" and m.save_interval_steps:
+        interval = m.save_interval_steps * m.step_s
     else:
-        per_train_s = 0.0
-    wall = train_s + starts * startup_s + train_s * per_train_s
-    return 100 * train_s / wall
+        interval = young_daly_interval_s(cost, mtbf_s) if cost > 0 else train_s
+    interval = min(max(interval, 1e-9), train_s)
+    wall = train_s + (1 + failures) * m.startup_s + train_s * cost / interval + failures * interval / 2
+    return train_s / wall
 
 
 def score(m: Measurement, objective: str, job_hours: float | None = None, mtbf_hours: float | None = None) -> float | None:
     """The trial's objective (higher is better), or ``None`` when it cannot be computed (with the trial's reason)."""
-    if not m.ok:
+    if not m.ok or m.throughput is None:
         return None
     if objective == "throughput":
         return m.throughput
-    if m.startup_s is None or m.save_cost_s is None or job_hours is None or mtbf_hours is None:
+    if job_hours is None or mtbf_hours is None:
         return None
-    value = ett_percent(m.startup_s, m.save_cost_s, job_hours, mtbf_hours)
+    fraction = ett_fraction(m, job_hours, mtbf_hours)
+    if fraction is None:
+        return None
+    value = 3600 * m.throughput * fraction
     return value if math.isfinite(value) else None
+
+
+def mtbf_hours_from(run_dir: str | Path) -> tuple[float, str]:
+    """A previous job's MTBF from its ETT ledger: ``wall / failures`` (before any failure, ``wall / 3``)."""
+    from lightning_ett.instrument.ledger import failed_attempts
+    from lightning_ett.instrument.summary import summarize_run_dir
+
+    summary = summarize_run_dir(run_dir)  # (what AsyncCheckpoint's "auto" reads of its own job, for a finished one)
+    mtbf_s, source = estimate_mtbf_s(failed_attempts(run_dir, before=1 << 62), summary.wall_s)
+    return mtbf_s / 3600, f"{source} (the ledger of {run_dir})"

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_ett.durable.files import atomic_write_text
-from lightning_ett.tune.search import RoundReport, ok_trials
-from lightning_ett.tune.space import Config, config_fragment, key
+from lightning_ett.tune.search import Measured, RoundReport, measured, ok_trials
+from lightning_ett.tune.space import config_fragment, key
 from lightning_ett.tune.trials import TrialLog
 
 BEST_FILE = "best.yaml"
@@ -18,10 +18,16 @@ REPORT_PNG = "tune_report.png"
 PREDICTIONS_FILE = "predictions.json"
 
 
-def write_best(out: Path, config: Config, objective: str, value: float) -> Path:
-    """The best configuration as a LightningCLI config fragment: ``SCRIPT fit --config … --config best.yaml``."""
-    text = (f"# lightning-ett tune: best measured {objective} {value:.6g}\n"
-            + yaml.safe_dump(config_fragment(config), sort_keys=False))
+def write_best(out: Path, best: Measured, objective: str) -> Path:
+    """The best configuration as a LightningCLI config fragment (``SCRIPT fit --config … --config best.yaml``),
+    headed by its median and the spread of its runs."""
+    values = sorted(best.values)
+    spread = (f"{len(values)} runs: min {values[0]:.6g}, max {values[-1]:.6g} "
+              f"({(values[-1] - values[0]) / best.median:+.1%} of the median)" if len(values) > 1  # type: ignore[operator]
+              else "1 run (no confirmation)")
+    failed = f"; {best.failures} failed run(s)" if best.failures else ""
+    text = (f"# lightning-ett tune: best median {objective} {best.median:.6g}, {spread}{failed}\n"
+            + yaml.safe_dump(config_fragment(best.config), sort_keys=False))
     return atomic_write_text(out / BEST_FILE, text)
 
 
@@ -35,17 +41,20 @@ def write_predictions(out: Path, tried: dict[str, float], untried: dict[str, flo
 
 def print_table(log: TrialLog, objective: str, tried: dict[str, float], untried: dict[str, float], console: Console,
                 top: int = 8) -> None:
-    ok = sorted(ok_trials(log), key=lambda t: -t.objective)  # type: ignore[operator]
-    table = Table(title=f"Top configurations by measured {objective} ({len(ok)} of {len(log.trials)} trials succeeded)")
+    every = measured(log)
+    ok = sorted((m for m in every.values() if m.values), key=lambda m: -m.median)  # type: ignore[operator]
+    table = Table(title=f"Top configurations by median measured {objective} ({len(ok)} of {len(every)} configurations "
+                        f"succeeded, {len(log.trials)} trials)")
     options = list(ok[0].config) if ok else []
-    table.add_column("#")
     for option in options:
         table.add_column(option)
-    table.add_column(f"measured {objective}")
+    table.add_column(f"median {objective}")
+    table.add_column("runs (min–max)")
     table.add_column("proxy (left out)")
-    for t in ok[:top]:
-        predicted = tried.get(t.key)
-        table.add_row(str(t.index), *(str(t.config[o]) for o in options), f"{t.objective:.4g}",
+    for m in ok[:top]:
+        predicted = tried.get(key(m.config))
+        runs = f"{m.runs}" + (f" ({min(m.values):.4g}–{max(m.values):.4g})" if len(m.values) > 1 else "")
+        table.add_row(*(str(m.config[o]) for o in options), f"{m.median:.4g}", runs,
                       f"{predicted:.4g}" if predicted is not None else "—")
     console.print(table)
     best_untried = sorted(untried.items(), key=lambda kv: -kv[1])[:3]
@@ -67,7 +76,7 @@ def write_png(out: Path, log: TrialLog, rounds: list[RoundReport], tried: dict[s
 
     ok = ok_trials(log)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    pairs = [(tried[t.key], t.objective) for t in ok if t.key in tried]
+    pairs = [(tried[k], m.median) for k, m in measured(log).items() if k in tried and m.values]
     if pairs:
         x, y = zip(*pairs)
         left.scatter(y, x, s=22)
@@ -75,7 +84,7 @@ def write_png(out: Path, log: TrialLog, rounds: list[RoundReport], tried: dict[s
         left.plot([low, high], [low, high], color="grey", lw=1, ls="--")
     rho = rounds[-1].cv_spearman if rounds else None
     left.set(title=f"proxy, leave-one-out (Spearman {rho:.2f})" if rho is not None else "proxy, leave-one-out",
-             xlabel=f"measured {objective}", ylabel=f"predicted {objective}")
+             xlabel=f"measured {objective} (median of its runs)", ylabel=f"predicted {objective}")
     right.scatter([t.round for t in ok], [t.objective for t in ok], s=22, label="trial")
     best, so_far = [], float("-inf")
     for r in sorted({t.round for t in ok}):

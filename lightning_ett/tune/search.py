@@ -1,13 +1,15 @@
-"""The search: a space-filling first sample, then rounds in which the proxy picks what to run.
+"""The search: a sampler picks configurations until the budget is spent, then the best few are confirmed.
 
-1. Run the initial design (:meth:`Space.initial_design`: every value of every option at least once).
-2. Fit the proxy on the trials that succeeded; predict every untried configuration (a uniform
-   sample of them in a big space).
-3. Run the ``per_round - 1`` most promising and one more for exploration (a proxy fitted on
-   a handful of points is confidently wrong about regions it has not seen): while some option
-   value has no successful trial yet (its trial in the initial sample failed), the most
-   promising untried configuration with such a value; otherwise one drawn at random.
-4. Report the proxy's cross-validated rank correlation; refit; repeat until ``budget`` trials ran.
+1. **Search.** The sampler (:mod:`lightning_ett.tune.samplers`: the proxy by default, Optuna's
+   TPE, or random) proposes configurations not yet run, a round at a time; each runs once.
+   ``budget`` counts distinct configurations; no configuration runs twice in this phase.
+2. **Confirmation.** A single run is one draw of a noisy measurement, so the maximum of many
+   single runs favours the luckiest, not the fastest. The ``confirm_top`` configurations with the
+   best median so far run ``confirm_runs`` more times each (every sampler gets the same), and
+   the best is the one with the highest **median** among them; one that failed in any run is
+   passed over while another succeeded every time.
+3. After every round, the proxy's leave-one-out rank correlation on the trials so far (the
+   report's measure of how far to trust its predictions).
 
 Trials already in the log (a resumed tune) count towards the budget and are not run again.
 The evaluator is any ``(index, config) -> (failure reason | None, measurements, seconds, run dir)``:
@@ -17,12 +19,13 @@ replays a measured grid.
 
 from __future__ import annotations
 
-import random
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_ett.tune.proxy import Proxy
+from lightning_ett.tune.samplers import Sampler
 from lightning_ett.tune.space import Config, Space, key
 from lightning_ett.tune.trials import Trial, TrialLog
 
@@ -39,96 +42,130 @@ class RoundReport:
     cv_spearman: float | None  # the proxy's leave-one-out rank correlation on the trials so far
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Every run of one configuration."""
+
+    config: Config
+    values: list[float]  # the objective of each successful run
+    failures: int
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+    @property
+    def runs(self) -> int:
+        return len(self.values) + self.failures
+
+
 def ok_trials(log: TrialLog) -> list[Trial]:
     return [t for t in log.trials if t.outcome == "ok" and t.objective is not None]
 
 
-def search(space: Space, evaluate: Evaluator, objective: Objective, log: TrialLog, budget: int, seed: int = 0,
-           per_round: int = 3, log_target: bool = True, header: dict[str, Any] | None = None,
-           on_trial: Callable[[Trial], None] | None = None,
-           on_round: Callable[[RoundReport], None] | None = None) -> list[RoundReport]:
-    done = log.done()
+def measured(log: TrialLog) -> dict[str, Measured]:
+    """Every configuration run so far, with all of its runs (search and confirmation)."""
+    out: dict[str, Measured] = {}
+    for t in log.trials:
+        m = out.get(t.key) or Measured(t.config, [], 0)
+        ok = t.outcome == "ok" and t.objective is not None
+        out[t.key] = Measured(m.config, m.values + [t.objective] if ok else m.values,  # type: ignore[list-item]
+                              m.failures + (not ok))
+    return out
+
+
+def results(log: TrialLog) -> dict[str, tuple[Config, float | None]]:
+    """One value per configuration for samplers and the proxy: its median, or ``None`` when no run succeeded."""
+    return {k: (m.config, m.median) for k, m in measured(log).items()}
+
+
+def best(log: TrialLog, confirm_runs: int = 0) -> Measured | None:
+    """The configuration with the highest median among the most-measured (the confirmed, after confirmation);
+    one that ever failed only when every candidate did."""
+    every = [m for m in measured(log).values() if m.values]
+    if not every:
+        return None
+    most = max(m.runs for m in every)
+    pool = [m for m in every if m.runs == most] if confirm_runs else every
+    clean = [m for m in pool if not m.failures] or pool
+    return max(clean, key=lambda m: m.median)  # type: ignore[arg-type, return-value]
+
+
+def search(space: Space, evaluate: Evaluator, objective: Objective, log: TrialLog, budget: int, sampler: Sampler,
+           per_round: int = 3, log_target: bool = True, seed: int = 0, confirm_top: int = 0, confirm_runs: int = 0,
+           header: dict[str, Any] | None = None, on_trial: Callable[[Trial], None] | None = None,
+           on_round: Callable[[RoundReport], None] | None = None, report_rounds: bool = True) -> list[RoundReport]:
+    """Run the search and the confirmation; ``report_rounds=False`` skips the per-round leave-one-out report
+    (a proxy fit per trial: the replayed benchmark's cost, not a real tune's)."""
     reports: list[RoundReport] = []
 
-    def run(config: Config, round_no: int, predicted: float | None) -> None:
+    def run(config: Config, round_no: int, predicted: float | None, repeat: int) -> Trial:
         reason, measurements, seconds, run_dir = evaluate(len(log.trials), config)
         value = objective(measurements) if reason is None else None
         if reason is None and value is None:
             reason = "its objective could not be computed from what it measured"
         trial = Trial(len(log.trials), config, round_no, "ok" if reason is None else "failed", value, reason,
-                      measurements, run_dir, seconds, predicted)
+                      measurements, run_dir, seconds, predicted, repeat)
         log.add(trial, {**(header or {}), "rounds": [r.__dict__ for r in reports]})
-        done[trial.key] = trial
         if on_trial is not None:
             on_trial(trial)
+        return trial
 
     def close_round(round_no: int) -> None:
-        ok = ok_trials(log)
-        best = max(ok, key=lambda t: t.objective, default=None)  # type: ignore[arg-type, return-value]
-        rho = Proxy(space, log_target, seed).cross_validated([t.config for t in ok], [t.objective for t in ok])[1] \
-            if len(ok) >= 3 else None
-        report = RoundReport(round_no, len(log.trials), best.objective if best else None, best.config if best else None, rho)
+        if not report_rounds:
+            return
+        report = round_report(space, log, round_no, log_target, seed)
         reports.append(report)
         if on_round is not None:
             on_round(report)
 
-    for config in space.initial_design(random.Random(seed)):
-        if len(done) >= budget:
-            break
-        if key(config) not in done:
-            run(config, 0, None)
-    close_round(0)
-    round_no = max((t.round for t in log.trials), default=0) + 1
-    while len(done) < budget:
-        rng = random.Random(seed * 1_000_003 + round_no)
-        untried = [c for c in space.candidates(rng) if key(c) not in done]
-        if not untried:
-            break
-        picks = _picks(space, untried, ok_trials(log), per_round, rng, seed, log_target)
+    round_no = max((t.round for t in log.trials), default=-1) + 1
+    searched = {t.key for t in log.trials}
+    while len(searched) < budget:
+        picks = sampler.propose(min(per_round, budget - len(searched)), results(log), searched)
+        picks = [(c, p) for c, p in picks if key(c) not in searched][: budget - len(searched)]
+        if not picks:
+            break  # every configuration ran
         for config, predicted in picks:
-            if len(done) >= budget:
-                break
-            run(config, round_no, predicted)
+            trial = run(config, round_no, predicted, 0)
+            searched.add(trial.key)
+            sampler.observe(config, trial.objective)
         close_round(round_no)
         round_no += 1
+
+    if confirm_top and confirm_runs:
+        by_median = sorted((m for m in measured(log).values() if m.values), key=lambda m: -m.median)  # type: ignore[operator]
+        ran = False
+        for m in by_median[:confirm_top]:
+            for repeat in range(m.runs, 1 + confirm_runs):
+                run(m.config, round_no, None, repeat)
+                ran = True
+        if ran:
+            close_round(round_no)
     return reports
 
 
-def _picks(space: Space, untried: list[Config], ok: list[Trial], per_round: int, rng: random.Random, seed: int,
-           log_target: bool) -> list[tuple[Config, float | None]]:
-    if len(ok) < 2:  # nothing to learn from yet: explore
-        return [(c, None) for c in rng.sample(untried, min(per_round, len(untried)))]
-    proxy = Proxy(space, log_target, seed).fit([t.config for t in ok], [t.objective for t in ok])  # type: ignore[misc]
-    predicted = proxy.predict(untried)
-    order = sorted(range(len(untried)), key=lambda i: -predicted[i])
-    chosen = order[: max(per_round - 1, 1)]
-    rest = order[len(chosen):]
-    if rest and per_round > 1:
-        unseen = _uncovered(space, [t.config for t in ok] + [untried[i] for i in chosen])
-        filling = [i for i in rest if any(key({name: untried[i][name]}) in unseen for name in space.options)]
-        chosen.append(filling[0] if filling else rng.choice(rest))  # the best-predicted one that fills a gap
-    return [(untried[i], predicted[i]) for i in chosen]
-
-
-def _uncovered(space: Space, configs: list[Config]) -> set[str]:
-    """The option values (as ``key({option: value})``, so ``True`` is not ``1``) that no successful trial (nor
-    pick) has: a failed trial in the initial sample leaves its values unseen, and the proxy cannot extrapolate to a
-    value it never saw (a stump splits between seen ones)."""
-    every = {key({name: v}) for name, values in space.options.items() for v in values}
-    return every - {key({name: c[name]}) for c in configs for name in space.options}
+def round_report(space: Space, log: TrialLog, round_no: int, log_target: bool, seed: int) -> RoundReport:
+    values = [(m.config, m.median) for m in measured(log).values() if m.values]
+    top = max(values, key=lambda cv: cv[1], default=None)  # type: ignore[arg-type, return-value]
+    rho = Proxy(space, log_target, seed).cross_validated([c for c, _ in values], [v for _, v in values])[1] \
+        if len(values) >= 3 else None
+    return RoundReport(round_no, len(log.trials), top[1] if top else None, top[0] if top else None, rho)
 
 
 def final_predictions(space: Space, log: TrialLog, seed: int = 0, log_target: bool = True,
                       candidates: list[Config] | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """The final proxy's predictions: leave-one-out for the trials that ran, a fit on all of them for ``candidates``."""
-    ok = ok_trials(log)
-    if len(ok) < 2:
+    """The final proxy's predictions: leave-one-out for the configurations that ran (their median), a fit on all
+    of them for ``candidates``."""
+    values = [(m.config, m.median) for m in measured(log).values() if m.values]
+    if len(values) < 2:
         return {}, {}
+    configs, ys = [c for c, _ in values], [v for _, v in values]
     proxy = Proxy(space, log_target, seed)
-    loo, _ = proxy.cross_validated([t.config for t in ok], [t.objective for t in ok])  # type: ignore[misc]
-    tried = {t.key: p for t, p in zip(ok, loo)} if loo else {}
+    loo, _ = proxy.cross_validated(configs, ys)  # type: ignore[arg-type]
+    tried = {key(c): p for c, p in zip(configs, loo)} if loo else {}
     untried: dict[str, float] = {}
     if candidates:
-        proxy.fit([t.config for t in ok], [t.objective for t in ok])  # type: ignore[misc]
+        proxy.fit(configs, ys)  # type: ignore[arg-type]
         untried = {key(c): p for c, p in zip(candidates, proxy.predict(candidates))}
     return tried, untried

@@ -63,38 +63,112 @@ class Space:
         return math.prod(len(v) for v in self.options.values())
 
     @property
-    def initial_size(self) -> int:
-        """The first, space-filling sample: every value of every option at least once (the longest list's length)."""
+    def min_budget(self) -> int:
+        """The fewest trials that can show every value of every option once (the longest list's length)."""
         return min(max(2, max(len(v) for v in self.options.values())), self.size)
+
+    @property
+    def main_effect_parameters(self) -> int:
+        """Parameters of a model with one effect per option value: 1 + sum(values - 1)."""
+        return 1 + sum(len(v) - 1 for v in self.options.values())
+
+    def initial_size(self, budget: int) -> int:
+        """The initial design's size: enough to separate every option's effect (:attr:`main_effect_parameters`),
+        but at most half the budget (the proxy needs trials of its own), and never fewer than :attr:`min_budget`."""
+        return min(max(self.min_budget, min(self.main_effect_parameters, budget // 2)), self.size, budget)
 
     def configurations(self) -> Iterator[Config]:
         names = list(self.options)
         for values in itertools.product(*(self.options[n] for n in names)):
             yield dict(zip(names, values))
 
-    def candidates(self, rng: random.Random) -> list[Config]:
-        """Every configuration, or a uniform sample of :data:`MAX_CANDIDATES` of them for a big space."""
-        if self.size <= MAX_CANDIDATES:
-            return list(self.configurations())
-        names = list(self.options)
-        return [{n: rng.choice(self.options[n]) for n in names} for _ in range(MAX_CANDIDATES)]
+    def random_configuration(self, rng: random.Random) -> Config:
+        return {n: rng.choice(values) for n, values in self.options.items()}
 
-    def initial_design(self, rng: random.Random) -> list[Config]:
-        """A Latin-style sample: each option's values in a shuffled order, cycled, so every value appears."""
-        n = self.initial_size
+    def untried(self, rng: random.Random, exclude: set[str], limit: int = MAX_CANDIDATES) -> list[Config]:
+        """Distinct configurations not in ``exclude`` (keys): all of them in a space of up to ``limit``, else a
+        uniform sample of ``limit`` drawn without replacement, without enumerating the space."""
+        if self.size <= limit:
+            return [c for c in self.configurations() if key(c) not in exclude]
+        found: dict[str, Config] = {}
+        for _ in range(20 * limit):  # a space this big is almost never mostly tried: rejections are rare
+            config = self.random_configuration(rng)
+            k = key(config)
+            if k not in exclude and k not in found:
+                found[k] = config
+                if len(found) == limit:
+                    break
+        return list(found.values())
+
+    def initial_design(self, rng: random.Random, n: int, fixed: list[Config] | None = None) -> list[Config]:
+        """``n`` distinct configurations in which the options vary independently of one another; with ``fixed``
+        (configurations already run: a resumed tune), only the rest of the ``n`` are chosen, around them.
+
+        A D-optimal design for a main-effects model, built by coordinate exchange (Meyer &
+        Nachtsheim, 1995) from a balanced random start: each option's values are shuffled and
+        cycled, then every (run, option) cell takes the value that most raises
+        ``log det(X'X)`` of the effects-coded design, as long as every value of every option
+        still appears (the proxy cannot place a value it never saw). Options then rarely change together, so
+        the first fit can tell their effects apart; the "all options at once" Latin start alone
+        confounds them. (scipy.stats.qmc's designs are for continuous factors, and pyDOE's
+        fractional factorials need 2-level options: hand-written for mixed-level lists.)
+        """
+        import numpy as np
+
+        names = list(self.options)
+        kept = [[self._level(name, c[name]) for name in names] for c in (fixed or [])][:n]
         columns = {}
-        for name, values in self.options.items():
-            order = list(values)
+        for name in names:
+            order = list(range(len(self.options[name])))
             rng.shuffle(order)
             columns[name] = [order[i % len(order)] for i in range(n)]
-        design, seen = [], set()
-        for i in range(n):
-            config = {name: columns[name][i] for name in self.options}
-            while key(config) in seen:  # a collision (small spaces): the next unseen configuration instead
-                config = next(c for c in self.configurations() if key(c) not in seen)
-            seen.add(key(config))
-            design.append(config)
-        return design
+        design = kept + [[columns[name][i] for name in names] for i in range(len(kept), n)]
+
+        def score(rows: list[list[int]]) -> tuple[int, float]:
+            """(values of options covered, log det X'X): coverage first, then the D-criterion; duplicates lose."""
+            if len({tuple(r) for r in rows}) < len(rows):
+                return -1, float("-inf")
+            covered = sum(len({r[j] for r in rows}) for j in range(len(names)))
+            x = np.array([self._effects_row(r) for r in rows])
+            return covered, float(np.linalg.slogdet(x.T @ x + 1e-6 * np.eye(x.shape[1]))[1])
+
+        def distinct(rows: list[list[int]]) -> bool:
+            return len({tuple(r) for r in rows}) == len(rows)
+
+        current = score(design)
+        for _ in range(10):
+            improved = False
+            for i in range(len(kept), n):
+                for j, name in enumerate(names):
+                    for level in range(len(self.options[name])):
+                        if level == design[i][j]:
+                            continue
+                        trial = [list(r) for r in design]
+                        trial[i][j] = level
+                        value = score(trial)
+                        if value[0] > current[0] or (value[0] == current[0] and value[1] > current[1] + 1e-9):
+                            design, current, improved = trial, value, True
+            if not improved:
+                break
+        if not distinct(design):  # a tiny space: fill with the first unused configurations
+            seen: set[tuple[int, ...]] = set()
+            levels = list(itertools.product(*(range(len(self.options[name])) for name in names)))
+            for i, row in enumerate(design):
+                if tuple(row) in seen:
+                    design[i] = list(next(c for c in levels if c not in seen and c not in {tuple(r) for r in design}))
+                seen.add(tuple(design[i]))
+        return [{name: self.options[name][row[j]] for j, name in enumerate(names)} for row in design[len(kept):]]
+
+    def _level(self, name: str, value: Any) -> int:
+        return next(i for i, v in enumerate(self.options[name]) if _key(v) == _key(value))
+
+    def _effects_row(self, levels: list[int]) -> list[float]:
+        """Effects coding: an intercept, then per option ``len - 1`` columns (the last value is all -1)."""
+        row = [1.0]
+        for level, values in zip(levels, self.options.values()):
+            k = len(values) - 1
+            row += [-1.0] * k if level == k else [1.0 if j == level else 0.0 for j in range(k)]
+        return row
 
     # ------------------------------------------------------------------ what the proxy sees
     def feature_names(self) -> list[str]:

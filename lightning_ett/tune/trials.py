@@ -43,6 +43,7 @@ class Trial:
     run_dir: str | None = None
     seconds: float = 0.0
     predicted: float | None = None  # the proxy's prediction when it chose this trial (None: not chosen by the proxy)
+    repeat: int = 0  # 0: the configuration's first run; 1, 2, ...: its confirmation runs
 
     @property
     def key(self) -> str:
