@@ -128,6 +128,16 @@ def run_arm(replay: Replay, arm: str, seed: int, budget: int, proxy_kind: str | 
     return 1 - truth.get(key(winner.config), 0.0) / max(truth.values())
 
 
+def sign_test(ours: list[float], theirs: list[float]) -> str:
+    """Seeds where ours had the lower regret, the higher, ties; and the two-sided sign test's p over the untied."""
+    from scipy.stats import binomtest
+
+    lower = sum(a < b for a, b in zip(ours, theirs))
+    higher = sum(a > b for a, b in zip(ours, theirs))
+    p = binomtest(lower, lower + higher).pvalue if lower + higher else 1.0
+    return f"lower in {lower}, higher in {higher}, tied in {len(ours) - lower - higher} seeds; sign test p = {p:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10)
@@ -164,6 +174,10 @@ def main() -> None:
             for arm, rs in regrets.items():
                 print(f"| {arm} | {sum(r <= 0.05 for r in rs)} of {len(rs)} | {statistics.median(rs):.3f} | "
                       f"{min(rs):.3f}–{max(rs):.3f} |")
+            if "proxy" in regrets:  # paired by seed: is the proxy's regret lower than each other arm's more often?
+                for arm, rs in regrets.items():
+                    if arm != "proxy":
+                        print(f"proxy vs {arm}: {sign_test(regrets['proxy'], rs)}")
             print()
 
 

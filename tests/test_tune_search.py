@@ -142,7 +142,10 @@ def test_tpe_continues_a_resumed_search_from_its_history(tmp_path):
     search(space, evaluator(interacting_value), lambda m: m.get("throughput"), again, 12, sampler, per_round=1,
            report_rounds=False)
     assert len(again.trials) == 12 and len({t.key for t in again.trials}) == 12
-    assert len(sampler.study.trials) >= 12  # history + its own
+    import optuna
+
+    complete = [t for t in sampler.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 12  # the six it was told + its own six; repeats it proposed were told FAIL, not counted
 
 
 def test_the_initial_design_varies_the_options_independently():
@@ -170,15 +173,17 @@ def test_ett_is_samples_per_hour_of_the_job_so_a_slow_configuration_cannot_win_b
     fast = m(throughput=1000.0, startup_s=120.0)
     slow_quick_start = m(throughput=500.0, startup_s=5.0, step_s=0.2)
     assert score(slow_quick_start, "ett", 24, 4) < score(fast, "ett", 24, 4)
-    assert score(fast, "ett", 24, 4) < 3600 * 1000  # overhead charged: starts, saves, lost work
+    # by hand: a 1 h job, MTBF 2 h, start 36 s, saving every 100 x 0.1 s = 10 s at 0.5 s each:
+    # wall = (3600 * (1 + 0.05) + 36) / (1 - (36 + 5) / 7200) = 3816 / 0.994306 = 3837.85 s
+    one = m(throughput=1000.0, startup_s=36.0, save_cost_s=0.5, step_s=0.1, every=100)
+    assert score(one, "ett", 1, 2) == pytest.approx(1000.0 * 3600 * 3600 / 3837.85, rel=1e-5)
     # the trial's own cadence counts: saving twice as often at the same cost trains fewer samples per hour
     assert score(m(1000.0, 60.0, every=50), "ett", 24, 4) < score(m(1000.0, 60.0, every=100), "ett", 24, 4)
-    # 'auto' is charged at Young's interval: sqrt(2 C MTBF)
-    auto = m(1000.0, 0.0, save_cost_s=2.0, mode="auto")
-    interval = math.sqrt(2 * 2.0 * 4 * 3600)
-    failures = 24 / 4
-    fraction = 24 * 3600 / (24 * 3600 + 24 * 3600 * 2.0 / interval + failures * interval / 2)
-    assert score(auto, "ett", 24, 4) == pytest.approx(3600 * 1000 * fraction)
+    # 'auto' with a free save: charged at one step (0.1 s), not at the whole job
+    free = score(m(1000.0, 0.0, save_cost_s=0.0, mode="auto"), "ett", 24, 4)
+    assert free == pytest.approx(3600 * 1000 * (1 - 0.05 / 14400), rel=1e-9)
+    # a job whose start and lost half-interval exceed its MTBF never finishes
+    assert score(m(1000.0, startup_s=5000.0), "ett", 24, 1) == 0.0
     assert score(Measurement(False, "oom"), "ett", 24, 4) is None
     assert score(m(1000.0, 60.0, save_cost_s=None), "ett", 24, 4) is None  # type: ignore[arg-type]
 
@@ -200,4 +205,59 @@ def test_the_mtbf_is_read_from_a_previous_jobs_ledger(tmp_path):
     launcher.close()
     hours, source = mtbf_hours_from(run)
     assert hours == pytest.approx(1.0, rel=0.02) and "2 failure(s)" in source
+    healthy = tmp_path / "healthy"  # no failure: the ledger bounds the MTBF from below only, so it is refused
+    writer = LedgerWriter(ledger_path(healthy, 0, 0))
+    writer.append({"kind": "header", "rank": 0, "attempt": 0, "job_start": 0.0})
+    writer.append({"kind": "event", "phase": "train", "start": 0.0, "end": 60.0, "rank": 0, "attempt": 0, "step": 0})
+    writer.append({"kind": "status", "status": "finished", "time": 60.0})
+    writer.close()
+    with pytest.raises(ValueError, match="show no failure.*give --mtbf-hours"):
+        mtbf_hours_from(healthy)
+
+
+class Scripted:
+    """A sampler that proposes a fixed sequence."""
+
+    def __init__(self, configs: list[dict]) -> None:
+        self.configs = iter(configs)
+
+    def propose(self, n, results, exclude):  # type: ignore[no-untyped-def]
+        return [(next(self.configs), None)]
+
+    def observe(self, config, value):  # type: ignore[no-untyped-def]
+        pass
+
+
+def test_the_best_is_chosen_among_the_confirmed_even_after_a_resume_with_fewer_confirmation_runs(tmp_path):
+    """A first tune confirmed a=4 with 3 re-runs (4 runs, median 8); a resumed one confirms a=7 with 2 (3 runs,
+    median 9): a=7 is the best, though a=4 has more runs."""
+    space = Space.from_mapping({"a": list(range(10))})
+    draws = {4: iter([8.0] * 4), 7: iter([9.0] * 3)}
+    log = TrialLog(tmp_path)
+
+    def evaluate(index, config):  # type: ignore[no-untyped-def]
+        value = next(draws[config["a"]]) if config["a"] in draws else float(config["a"]) / 10
+        return None, {"throughput": value}, 0.0, None
+
+    sampler = Scripted([{"a": 4}, {"a": 1}, {"a": 7}, {"a": 2}])
+    objective = lambda m: m.get("throughput")
+    search(space, evaluate, objective, log, 2, sampler, confirm_top=1, confirm_runs=3, report_rounds=False)
+    search(space, evaluate, objective, log, 4, sampler, confirm_top=1, confirm_runs=2, report_rounds=False)
+    assert best(log, confirm_runs=2).config == {"a": 7}
+
+
+def test_a_value_that_keeps_failing_gets_no_more_of_the_budget(tmp_path):
+    space = Space.from_mapping({"act": ["relu", "swish"], "width": [16, 32, 64, 128], "depth": [1, 2, 3]})
+    calls: list[str] = []
+
+    def evaluate(index, config):  # type: ignore[no-untyped-def]
+        calls.append(config["act"])
+        if config["act"] == "swish":
+            return "ValueError: unknown activation swish", {}, 0.0, None
+        return None, {"throughput": 100.0 * config["depth"]}, 0.0, None
+
+    sampler = ProxySampler(space, 14, seed=0)
+    search(space, evaluate, lambda m: m.get("throughput"), TrialLog(tmp_path), 14, sampler, report_rounds=False)
+    designed = len(sampler.design)  # type: ignore[arg-type]
+    assert calls[:designed].count("swish") >= 2 and "swish" not in calls[designed:], calls  # failed twice: never again
 

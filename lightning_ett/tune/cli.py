@@ -11,9 +11,12 @@ when the script's configuration has none (its ledger is the measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 SCRIPT_CONFIG_FILE = "script_config.yaml"
 ETT_MONITOR = "lightning_ett.ETTMonitor"
+CONTROLLED = {"trainer.max_steps": "--steps", "trainer.devices": "--devices"}  # options each trial sets itself
 
 
 class TuneError(ValueError):
@@ -94,8 +98,9 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
     space, runner, log, header = plan
     objective = partial(_objective, objective=args.objective, job_hours=args.job_hours, mtbf_hours=args.mtbf_hours)
     sampler = make_sampler(args.sampler, space, args.budget, args.seed, log_target=True)
-    first = f"sampler {args.sampler}, {space.initial_size(args.budget)} " + \
-        ("trials of initial design" if args.sampler == "proxy" else "random start-up trials" if args.sampler == "tpe" else "")
+    first = {"proxy": f"sampler proxy, {space.initial_size(args.budget)} trials of initial design",
+             "tpe": f"sampler tpe, {space.initial_size(args.budget)} random start-up trials"}.get(args.sampler,
+                                                                                                f"sampler {args.sampler}")
     confirm = f" + {args.confirm_top} x {args.confirm_runs} confirmation runs" if args.confirm_top else ""
     console.print(f"lightning-ett tune: {space.size} configurations, budget {args.budget}{confirm} "
                   f"({len(log.trials)} done already), {first}, {args.steps} steps per trial")
@@ -110,15 +115,21 @@ def run(args: argparse.Namespace, script_args: list[str]) -> int:
         console.print(f"trial {t.index} ({what}, {t.seconds:.0f} s): {t.config} → {shown}{predicted}")
 
     def on_round(r: RoundReport) -> None:
-        rho = f"{r.cv_spearman:.2f}" if r.cv_spearman is not None else "n/a (< 3 trials, or constant)"
+        rho = f"{r.cv_spearman:.2f}" if r.cv_spearman is not None else "n/a (< 5 configurations, or constant)"
         best = f"{r.best:.4g}" if r.best is not None else "none yet"
-        console.print(f"[bold]round {r.round}[/bold]: {r.trials} trials, best {args.objective} {best}; proxy "
-                      f"leave-one-out Spearman {rho}")
+        console.print(f"[bold]round {r.round}[/bold]: {r.trials} trials, best median {args.objective} {best}; proxy "
+                      f"leave-one-out Spearman {rho} (on {r.configurations} configurations)")
 
     per_round = args.per_round if args.sampler == "proxy" else 1
-    rounds = search(space, runner, objective, log, args.budget, sampler, per_round=per_round, seed=args.seed,
-                    confirm_top=args.confirm_top, confirm_runs=args.confirm_runs, header=header, on_trial=on_trial,
-                    on_round=on_round)
+    try:
+        with _interruptible(runner) as evaluate:
+            rounds = search(space, evaluate, objective, log, args.budget, sampler, per_round=per_round, seed=args.seed,
+                            confirm_top=args.confirm_top, confirm_runs=args.confirm_runs, header=header,
+                            on_trial=on_trial, on_round=on_round)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]lightning-ett tune: interrupted; the {len(log.trials)} finished trials are kept in "
+                      f"{log.path} (the interrupted one is not): run the same command again to continue.[/yellow]")
+        return 130
     return finish(space, log, rounds, Path(args.out), args.objective, args.seed, args.confirm_runs, console)
 
 
@@ -145,9 +156,39 @@ def finish(space: Space, log: TrialLog, rounds: list[RoundReport], out: Path, ob
     return 0
 
 
+@contextlib.contextmanager
+def _interruptible(runner: TrialRunner) -> Iterator[Callable[[int, dict[str, Any]], Any]]:
+    """Ctrl-C ends the tune, not only the trial: the terminal's SIGINT reaches the trial's processes too, whose
+    `lightning run` ends as "stopped by the user" — a trial that must not be recorded as the configuration's
+    result. The tune notes the SIGINT, lets the trial end, and stops before recording it."""
+    interrupted = False
+
+    def note(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    def evaluate(index: int, config: dict[str, Any]) -> Any:
+        if interrupted:
+            raise KeyboardInterrupt
+        result = runner(index, config)
+        if interrupted:
+            raise KeyboardInterrupt
+        return result
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield evaluate
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _objective(measurements: dict[str, Any], objective: str, job_hours: float | None,
                mtbf_hours: float | None) -> float | None:
-    return score(Measurement(**measurements), objective, job_hours, mtbf_hours)
+    m = Measurement(**measurements)
+    if objective == "ett" and m.ok and m.save_cost_s is None:
+        raise ValueError("no checkpoint save was measured, which --objective ett needs: AsyncCheckpoint must save within "
+                         "--steps steps with every_n_train_steps (or 'auto'); raise --steps or lower the interval")
+    return score(m, objective, job_hours, mtbf_hours)
 
 
 def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, TrialRunner, TrialLog, dict[str, Any]]:
@@ -158,6 +199,10 @@ def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, Tr
         if value < low:
             raise TuneError(f"{name} {value}: expected an integer >= {low}.")
     space = Space.load(args.space)
+    for option, flag in CONTROLLED.items():
+        if option in space.options:
+            raise TuneError(f"--space: {option!r} is set by every trial from {flag} (it would override the space's "
+                            f"value); remove it from the space and tune it with separate runs of {flag}.")
     if args.budget < space.min_budget:
         raise TuneError(f"--budget {args.budget} is smaller than the initial design ({space.min_budget} trials: every "
                         f"value of every option once); give --budget {space.min_budget} or more.")
@@ -168,8 +213,10 @@ def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, Tr
         if args.mtbf_from is not None:
             try:
                 args.mtbf_hours, args.mtbf_source = mtbf_hours_from(args.mtbf_from)
-            except (FileNotFoundError, ValueError) as err:
+            except FileNotFoundError as err:
                 raise TuneError(f"--mtbf-from {args.mtbf_from!r}: no ETT ledger to read the MTBF from ({err}).") from err
+            except ValueError as err:
+                raise TuneError(f"--mtbf-from {args.mtbf_from!r}: {err}.") from err
         for name, value in (("--job-hours", args.job_hours), ("--mtbf-hours (or --mtbf-from)", args.mtbf_hours)):
             if value is None or not value > 0:
                 raise TuneError(f"--objective ett needs {name} > 0 (got {value}).")
@@ -195,7 +242,7 @@ def prepare(args: argparse.Namespace, script_args: list[str]) -> tuple[Space, Tr
                         "save cost is one of the objective's terms); add it to the script's callbacks.")
     header = {"script": str(script), "script_args": script_args, "space": space.options, "objective": args.objective,
               "steps": args.steps, "devices": args.devices, "seed": args.seed, "job_hours": args.job_hours,
-              "mtbf_hours": args.mtbf_hours, "sampler": args.sampler, "budget": args.budget}
+              "mtbf_hours": args.mtbf_hours, "sampler": args.sampler, "budget": args.budget, "format": 2}
     log = TrialLog(out)
     _check_same_tune(log, header)
     runner = TrialRunner(script, script_args, args.steps, args.devices, out, args.trial_timeout)
@@ -208,11 +255,15 @@ def _check_same_tune(log: TrialLog, header: dict[str, Any]) -> None:
     import json
 
     before = json.loads(log.path.read_text())
-    differs = [k for k in ("script", "space", "objective", "steps", "devices", "seed", "sampler")
-               if before.get(k, "proxy" if k == "sampler" else None) != header[k]]  # (older tunes: the proxy's)
+    if before.get("format") != header["format"] and header["objective"] == "ett":
+        raise TuneError(f"--out {str(log.path.parent)!r} holds an --objective ett tune of an older version, whose "
+                        "values meant ETT%, not samples per hour; give another --out.")
+    keys = ("script", "script_args", "space", "objective", "steps", "devices", "seed", "sampler", "job_hours",
+            "mtbf_hours")
+    differs = [k for k in keys if before.get(k, "proxy" if k == "sampler" else None) != header[k]]  # (older: proxy)
     if differs:
         raise TuneError(f"--out {str(log.path.parent)!r} holds a tune with another {', '.join(differs)}; continue it with "
-                        "the same settings, or give another --out.")
+                        "the same settings (an MTBF read with --mtbf-from must not have changed), or give another --out.")
 
 
 def script_config(out: Path, script: Path, script_args: list[str]) -> dict[str, Any]:

@@ -46,8 +46,9 @@ def print_table(log: TrialLog, objective: str, tried: dict[str, float], untried:
     table = Table(title=f"Top configurations by median measured {objective} ({len(ok)} of {len(every)} configurations "
                         f"succeeded, {len(log.trials)} trials)")
     options = list(ok[0].config) if ok else []
-    for option in options:
-        table.add_column(option)
+    short = [o.rsplit(".", 1)[-1] for o in options]
+    for option, name in zip(options, short):  # the last part of the dotted name, unless two options share it
+        table.add_column(name if short.count(name) == 1 else option, overflow="fold")
     table.add_column(f"median {objective}")
     table.add_column("runs (min–max)")
     table.add_column("proxy (left out)")

@@ -52,7 +52,8 @@ class ProxySampler:
     Each round runs the ``n - 1`` untried configurations the proxy predicts best and one for
     exploration: while some option value has no successful trial (its only trial failed), the
     most promising configuration with such a value, else the one the proxy is least sure of
-    (the largest spread of its members' predictions), else a random one. A proxy fitted on a
+    (its largest predictive standard deviation), else a random one. A value that failed in two
+    configurations and never succeeded is not tried again. A proxy fitted on a
     handful of points is confidently wrong about regions it has not seen.
     """
 
@@ -73,6 +74,8 @@ class ProxySampler:
         self.round += 1
         rng = random.Random(self.seed * 1_000_003 + self.round + len(results))
         untried = self.space.untried(rng, exclude)
+        dead = _dead_values(self.space, results)
+        untried = [c for c in untried if not any(key({o: c[o]}) in dead for o in self.space.options)] or untried
         ok = [(c, v) for c, v in results.values() if v is not None]
         if len(ok) < 2 or not untried:  # nothing to learn from yet: explore
             return [(c, None) for c in rng.sample(untried, min(n, len(untried)))]
@@ -101,11 +104,14 @@ class ProxySampler:
 
 class TPESampler:
     """Optuna's TPE sampler (its defaults unless ``**kwargs`` say otherwise), asked and told through Optuna's
-    ask-and-tell interface; every option is a categorical of its values' indices (any YAML value can be one).
+    ask-and-tell interface.
 
-    A configuration TPE proposes again is told its measured value without running it, and TPE is
-    asked again (at most 200 times, then a random untried configuration): duplicates do not
-    count towards the budget, and a run never repeats.
+    A list of numbers is an ordered integer parameter over its values sorted (TPE can then use
+    that 256 lies between 128 and 512, as the proxy's features do); anything else is a categorical
+    of the values' indices (any YAML value can be one). A configuration TPE proposes again is told
+    FAIL — which TPE leaves out of its densities and of its start-up count — and TPE is asked
+    again, at most 20 times, then a random untried configuration runs: no run repeats, and
+    duplicates do not count towards the budget.
     """
 
     def __init__(self, space: Space, seed: int = 0, **kwargs: Any) -> None:
@@ -116,26 +122,36 @@ class TPESampler:
         self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed, **kwargs))
         self.told: set[str] = set()
         self.pending: dict[str, optuna.trial.Trial] = {}
+        self.order = {name: _value_order(values) for name, values in space.options.items()}
 
     def _distributions(self) -> dict[str, Any]:
         import optuna
 
-        return {name: optuna.distributions.CategoricalDistribution(list(range(len(values))))
+        return {name: optuna.distributions.IntDistribution(0, len(values) - 1) if self.order[name] is not None
+                else optuna.distributions.CategoricalDistribution(list(range(len(values))))
                 for name, values in self.space.options.items()}
 
-    def _indices(self, config: Config) -> dict[str, int]:
-        return {name: next(i for i, v in enumerate(values) if key({name: v}) == key({name: config[name]}))
+    def _params(self, config: Config) -> dict[str, int]:
+        params = {}
+        for name, values in self.space.options.items():
+            index = next(i for i, v in enumerate(values) if key({name: v}) == key({name: config[name]}))
+            order = self.order[name]
+            params[name] = order.index(index) if order is not None else index
+        return params
+
+    def _config(self, params: dict[str, int]) -> Config:
+        return {name: values[self.order[name][params[name]] if self.order[name] is not None else params[name]]  # type: ignore[index]
                 for name, values in self.space.options.items()}
 
     def _tell_history(self, results: dict[str, tuple[Config, float | None]]) -> None:
-        """Results TPE did not propose (a resumed tune, or the initial runs) become finished trials of the study."""
+        """Results TPE did not propose (a resumed tune, a random fallback) become finished trials of the study."""
         import optuna
 
         for k, (config, value) in results.items():
             if k in self.told or k in self.pending:
                 continue
             state = optuna.trial.TrialState.COMPLETE if value is not None else optuna.trial.TrialState.FAIL
-            self.study.add_trial(optuna.trial.create_trial(params=self._indices(config), distributions=self._distributions(),
+            self.study.add_trial(optuna.trial.create_trial(params=self._params(config), distributions=self._distributions(),
                                                            value=value, state=state))
             self.told.add(k)
 
@@ -143,19 +159,15 @@ class TPESampler:
         import optuna
 
         self._tell_history(results)
+        distributions = self._distributions()
         picks: list[Pick] = []
         for _ in range(n):
-            for _ in range(200):
-                trial = self.study.ask()
-                config = {name: values[trial.suggest_categorical(name, list(range(len(values))))]
-                          for name, values in self.space.options.items()}
+            for _ in range(20):
+                trial = self.study.ask(distributions)
+                config = self._config(trial.params)
                 k = key(config)
                 if k in exclude or k in self.pending or any(key(c) == k for c, _ in picks):
-                    value = results[k][1] if k in results else None
-                    if value is None:
-                        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    else:
-                        self.study.tell(trial, value)
+                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)  # a repeat: not a result
                     continue
                 self.pending[k] = trial
                 picks.append((config, None))
@@ -182,6 +194,13 @@ class TPESampler:
         self.told.add(k)
 
 
+def _value_order(values: list[Any]) -> list[int] | None:
+    """For a list of numbers (not booleans), the indices of its values in increasing order; else ``None``."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return sorted(range(len(values)), key=lambda i: values[i])
+    return None
+
+
 def make_sampler(name: str, space: Space, budget: int, seed: int = 0, log_target: bool = True,
                  **kwargs: Any) -> Sampler:
     if name == "proxy":
@@ -191,6 +210,21 @@ def make_sampler(name: str, space: Space, budget: int, seed: int = 0, log_target
     if name == "random":
         return RandomSampler(space, seed)
     raise ValueError(f"sampler {name!r}: expected one of {', '.join(SAMPLERS)}.")
+
+
+def _dead_values(space: Space, results: dict[str, tuple[Config, float | None]]) -> set[str]:
+    """Option values (as ``key({option: value})``) that failed in two or more configurations and never succeeded:
+    no more budget goes to them (a value that crashes the script would otherwise be retried every round)."""
+    failed: dict[str, int] = {}
+    succeeded: set[str] = set()
+    for config, value in results.values():
+        for option in space.options:
+            k = key({option: config[option]})
+            if value is None:
+                failed[k] = failed.get(k, 0) + 1
+            else:
+                succeeded.add(k)
+    return {k for k, n in failed.items() if n >= 2 and k not in succeeded}
 
 
 def _uncovered(space: Space, configs: list[Config]) -> set[str]:

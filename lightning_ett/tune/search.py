@@ -30,7 +30,13 @@ from lightning_ett.tune.space import Config, Space, key
 from lightning_ett.tune.trials import Trial, TrialLog
 
 Evaluator = Callable[[int, Config], tuple[str | None, dict[str, Any], float, str | None]]
+#: A trial's value from its measurements; ``None`` or a ``ValueError`` (whose message becomes the trial's reason)
+#: when it cannot be computed.
 Objective = Callable[[dict[str, Any]], float | None]
+#: The leave-one-out report refits the proxy once per configuration: after a round that added fewer than this many
+#: configurations, the previous figure is carried (a TPE tune's rounds are one trial each).
+REPORT_EVERY = 3
+MIN_FOR_SPEARMAN = 5  # below, a rank correlation of left-out predictions is mostly noise
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class RoundReport:
     best: float | None
     best_config: Config | None
     cv_spearman: float | None  # the proxy's leave-one-out rank correlation on the trials so far
+    configurations: int = 0  # how many configurations cv_spearman was computed on
 
 
 @dataclass(frozen=True)
@@ -80,13 +87,13 @@ def results(log: TrialLog) -> dict[str, tuple[Config, float | None]]:
 
 
 def best(log: TrialLog, confirm_runs: int = 0) -> Measured | None:
-    """The configuration with the highest median among the most-measured (the confirmed, after confirmation);
-    one that ever failed only when every candidate did."""
+    """The configuration with the highest median among the confirmed ones (run ``1 + confirm_runs`` times or more;
+    every one when none was); one that ever failed only when every candidate did."""
     every = [m for m in measured(log).values() if m.values]
     if not every:
         return None
-    most = max(m.runs for m in every)
-    pool = [m for m in every if m.runs == most] if confirm_runs else every
+    confirmed = [m for m in every if m.runs >= 1 + confirm_runs] if confirm_runs else []
+    pool = confirmed or every
     clean = [m for m in pool if not m.failures] or pool
     return max(clean, key=lambda m: m.median)  # type: ignore[arg-type, return-value]
 
@@ -101,7 +108,12 @@ def search(space: Space, evaluate: Evaluator, objective: Objective, log: TrialLo
 
     def run(config: Config, round_no: int, predicted: float | None, repeat: int) -> Trial:
         reason, measurements, seconds, run_dir = evaluate(len(log.trials), config)
-        value = objective(measurements) if reason is None else None
+        value = None
+        if reason is None:
+            try:
+                value = objective(measurements)
+            except ValueError as err:
+                reason = str(err)
         if reason is None and value is None:
             reason = "its objective could not be computed from what it measured"
         trial = Trial(len(log.trials), config, round_no, "ok" if reason is None else "failed", value, reason,
@@ -111,10 +123,15 @@ def search(space: Space, evaluate: Evaluator, objective: Objective, log: TrialLo
             on_trial(trial)
         return trial
 
-    def close_round(round_no: int) -> None:
+    def close_round(round_no: int, final: bool = False) -> None:
         if not report_rounds:
             return
-        report = round_report(space, log, round_no, log_target, seed)
+        fresh = len(measured(log)) - (reports[-1].configurations if reports else 0)
+        if reports and fresh < REPORT_EVERY and not final:  # carry the last figure rather than refit n proxies
+            last = reports[-1]
+            report = round_report(space, log, round_no, log_target, seed, rho=(last.cv_spearman, last.configurations))
+        else:
+            report = round_report(space, log, round_no, log_target, seed)
         reports.append(report)
         if on_round is not None:
             on_round(report)
@@ -141,16 +158,24 @@ def search(space: Space, evaluate: Evaluator, objective: Objective, log: TrialLo
                 run(m.config, round_no, None, repeat)
                 ran = True
         if ran:
-            close_round(round_no)
+            close_round(round_no, final=True)
+    if report_rounds and reports and reports[-1].configurations != len(measured(log)):  # the last figure, fresh
+        reports[-1] = round_report(space, log, reports[-1].round, log_target, seed)
     return reports
 
 
-def round_report(space: Space, log: TrialLog, round_no: int, log_target: bool, seed: int) -> RoundReport:
-    values = [(m.config, m.median) for m in measured(log).values() if m.values]
+def round_report(space: Space, log: TrialLog, round_no: int, log_target: bool, seed: int,
+                 rho: tuple[float | None, int] | None = None) -> RoundReport:
+    """The round's best median and the proxy's leave-one-out Spearman (``rho``: a figure carried from an earlier
+    round, with the number of configurations it was computed on)."""
+    every = measured(log)
+    values = [(m.config, m.median) for m in every.values() if m.values]
     top = max(values, key=lambda cv: cv[1], default=None)  # type: ignore[arg-type, return-value]
-    rho = Proxy(space, log_target, seed).cross_validated([c for c, _ in values], [v for _, v in values])[1] \
-        if len(values) >= 3 else None
-    return RoundReport(round_no, len(log.trials), top[1] if top else None, top[0] if top else None, rho)
+    if rho is None:
+        figure = Proxy(space, log_target, seed).cross_validated([c for c, _ in values], [v for _, v in values])[1] \
+            if len(values) >= MIN_FOR_SPEARMAN else None
+        rho = (figure, len(every))
+    return RoundReport(round_no, len(log.trials), top[1] if top else None, top[0] if top else None, rho[0], rho[1])
 
 
 def final_predictions(space: Space, log: TrialLog, seed: int = 0, log_target: bool = True,

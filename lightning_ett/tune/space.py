@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ import yaml
 Config = dict[str, Any]
 #: Above this many configurations, the proxy ranks a uniform sample of this many untried ones.
 MAX_CANDIDATES = 20_000
+#: The initial design's coordinate exchange stops improving after this long (many options with many values).
+DESIGN_SECONDS = 5.0
 
 
 class SpaceError(ValueError):
@@ -50,9 +53,13 @@ class Space:
             if not isinstance(name, str) or not name or name.startswith("-"):
                 raise SpaceError(f"{where}: option {name!r} is not a LightningCLI option name (write `data.batch_size`, "
                                  "not `--data.batch_size`).")
+            if isinstance(values, dict):
+                raise SpaceError(f"{where}: option {name!r} maps to a mapping; write nested options dotted, one per "
+                                 f"line (e.g. `{name}.{next(iter(values), 'x')}: [...]`).")
             if not isinstance(values, list) or not values:
-                raise SpaceError(f"{where}: option {name!r} has {'an empty list' if values == [] else repr(values)}; "
-                                 "give it a non-empty list of values to try.")
+                raise SpaceError(f"{where}: option {name!r} has {'an empty list' if values == [] else repr(values)}"
+                                 f"{'' if values == [] else ', not a list'}; give it a list of the values to try, "
+                                 f"e.g. `{name}: [{'...' if values == [] else values}]`.")
             if len({_key(v) for v in values}) != len(values):
                 raise SpaceError(f"{where}: option {name!r} lists a value twice: {values}.")
             options[name] = values
@@ -76,6 +83,7 @@ class Space:
         """The initial design's size: enough to separate every option's effect (:attr:`main_effect_parameters`),
         but at most half the budget (the proxy needs trials of its own), and never fewer than :attr:`min_budget`."""
         return min(max(self.min_budget, min(self.main_effect_parameters, budget // 2)), self.size, budget)
+
 
     def configurations(self) -> Iterator[Config]:
         names = list(self.options)
@@ -136,9 +144,12 @@ class Space:
             return len({tuple(r) for r in rows}) == len(rows)
 
         current = score(design)
+        deadline = time.monotonic() + DESIGN_SECONDS
         for _ in range(10):
             improved = False
             for i in range(len(kept), n):
+                if time.monotonic() > deadline:  # a big space: the design so far is valid, only less optimal
+                    break
                 for j, name in enumerate(names):
                     for level in range(len(self.options[name])):
                         if level == design[i][j]:
@@ -150,12 +161,11 @@ class Space:
                             design, current, improved = trial, value, True
             if not improved:
                 break
-        if not distinct(design):  # a tiny space: fill with the first unused configurations
+        if not distinct(design):  # rows the exchange could not tell apart (a tiny space, or out of time)
             seen: set[tuple[int, ...]] = set()
-            levels = list(itertools.product(*(range(len(self.options[name])) for name in names)))
             for i, row in enumerate(design):
-                if tuple(row) in seen:
-                    design[i] = list(next(c for c in levels if c not in seen and c not in {tuple(r) for r in design}))
+                while tuple(design[i]) in seen:
+                    design[i] = [rng.randrange(len(self.options[name])) for name in names]
                 seen.add(tuple(design[i]))
         return [{name: self.options[name][row[j]] for j, name in enumerate(names)} for row in design[len(kept):]]
 
