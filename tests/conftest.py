@@ -44,6 +44,10 @@ def _job_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str
     return env
 
 
+# scikit-learn sets these two at import (sklearn/__init__.py), and tests/test_tune_search.py imports it while
+# being collected: set them first, so the zygote's environment and every job's agree whatever was imported.
+os.environ.setdefault("KMP_DUPLICATE_LIB_OK", "True")
+os.environ.setdefault("KMP_INIT_AT_FORK", "FALSE")
 #: The environment before any test ran: the zygote's, so that a job differs from it only in what the job sets.
 _SESSION_ENV = dict(os.environ)
 _ZYGOTE: list[Zygote] = []
