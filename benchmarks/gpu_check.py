@@ -634,8 +634,6 @@ CHILDREN = {"pg": child_pg, "checkpoint": child_checkpoint, "compiled": child_co
 def child_main(name: str, params: str, result: str) -> int:
     for module in filter(None, os.environ.get(BLOCK_ENV, "").split(",")):
         sys.modules[module] = None  # type: ignore[assignment]  # an import of it now fails as if not installed
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     out = Reporter(Path(result))
     try:
         CHILDREN[name](json.loads(params), out)
@@ -1183,6 +1181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if str(REPO) not in sys.path:  # the GPU image does not install the pack; the parent imports it too (hang)
+        sys.path.insert(0, str(REPO))
     if args.child:
         return child_main(args.child, args.params, args.result)
     names = [n.strip() for n in args.sections.split(",") if n.strip()]
