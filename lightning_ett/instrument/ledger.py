@@ -33,7 +33,8 @@ def launcher_ledger_path(run_dir: Path, node_rank: int) -> Path:
 
 
 def read_launcher_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every node's launcher records (``launch``, ``attempt``, ``failure``, ``end``), by time; malformed ones skipped."""
+    """Every node's launcher records (``launch``, ``attempt``, ``failure``, ``end``, ``suspicion``, ``node_lost``,
+    ``node_back``), by time; malformed ones skipped."""
     records = []
     for path in sorted((Path(run_dir) / LEDGER_DIR / LAUNCHER_DIR).glob("node-*.jsonl")):
         records.extend(r for r in _read_records(path) if r is not None and _valid_launcher_record(r))
@@ -117,7 +118,7 @@ def _valid_record(record: dict[str, Any], phases: frozenset[str]) -> bool:
 
 #: ``suspicion``: the hang watch suspected a hang and found a rank working (no restart; what cleared it).
 _LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt", "rank"), "end": (),
-                    "suspicion": ("attempt",)}
+                    "suspicion": ("attempt",), "node_lost": ("attempt", "node_rank"), "node_back": ("attempt", "node_rank")}
 
 
 def _valid_launcher_record(record: dict[str, Any]) -> bool:

@@ -49,6 +49,7 @@ PHASE_COLORS: dict[str, str] = {
     Phase.PUBLISH.value: "#4db6ac",
     Phase.REPEATED.value: "#f06292",
     Phase.HANG.value: "#b71c1c",
+    Phase.NODE_LOST.value: "#880e4f",
     Phase.SHUTDOWN.value: "#616161",
     Phase.OTHER.value: "#e0e0e0",
     LOST: "#e53935",
@@ -151,6 +152,13 @@ def _fact_lines(summary: Summary) -> list[str]:
     straggler = straggler_line(summary.stragglers)
     if straggler:
         lines.append(straggler)
+    for event in summary.nodes:
+        at = f"+{event['time'] - summary.job_start:.0f}s"
+        if event["kind"] == "node_lost":
+            lines.append(f"node {event['node_rank']} ({event['address']}) stopped responding at {at} (attempt "
+                         f"{event['attempt']}; last heard {event['time'] - event['since']:.0f}s before)")
+        else:
+            lines.append(f"node {event['node_rank']} ({event['address']}) responding again at {at}")
     if summary.suspicions:
         first = summary.suspicions[0]
         lines.append(f"hang watch: {len(summary.suspicions)} silence(s) past a limit were work, not hangs (first: "

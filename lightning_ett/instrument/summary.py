@@ -16,6 +16,9 @@ Rules (also in the README's "How ETT% is measured"):
   end, and say why each failed attempt ended.
 * A hang the launcher stopped is ``hang`` on each of its node's ranks, from the rank's last
   progress to the kill: what waiting for the hang cost.
+* A node lost in a multi-node job (node 0's launcher: ``node_lost``) is ``node_lost`` on every rank,
+  from its last heartbeat to the start of the next attempt: noticing it and waiting for it, or a
+  replacement, to rejoin. The steps re-run after it are ``lost``, as after any failure.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class Summary:
     step_health: dict[str, Any] = field(default_factory=dict)  # see lightning_ett.instrument.step_health
     #: The hang watch's cleared suspicions (launcher ``suspicion`` records): silences past a limit that were work.
     suspicions: list[dict[str, Any]] = field(default_factory=list)
+    #: Nodes lost and back, as node 0's launcher saw them (``node_lost`` / ``node_back`` records), by time.
+    nodes: list[dict[str, Any]] = field(default_factory=list)
 
     def facts_named(self, name: str) -> list[dict[str, Any]]:
         return [f for f in self.facts if f.get("name") == name]
@@ -115,6 +120,7 @@ class Summary:
             "torn_records": self.torn_records,
             "outcome": self.outcome,
             "hang_watch_suspicions": len(self.suspicions),
+            "nodes": self.nodes,
             "facts": [f for f in self.facts if f.get("name") != STRAGGLER_FACT],  # one per window: digested below
             "stragglers": self.stragglers,
             "step_health": self.step_health,
@@ -189,6 +195,25 @@ def _hang_events(launcher: list[dict[str, Any]]) -> dict[tuple[int, int], list[t
     return found
 
 
+def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
+                      job_end: float) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
+    """``(attempt, rank) -> [("node_lost", last heartbeat, next attempt's start)]`` for every rank of the attempt."""
+    starts = sorted((float(r["time"]), int(r["attempt"])) for r in launcher if r.get("kind") == "attempt")
+    found: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
+    for record in launcher:
+        if record.get("kind") != "node_lost":
+            continue
+        try:
+            attempt, since = int(record["attempt"]), float(record["since"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        until = min((t for t, a in starts if a > attempt and t > since), default=job_end)
+        for ledger in ledgers:
+            if ledger.attempt == attempt:
+                found.setdefault((attempt, ledger.rank), []).append((Phase.NODE_LOST.value, since, until))
+    return found
+
+
 def _rank_segments(
     ledgers: list[RankLedger], resume: dict[int, int], job_start: float, job_end: float,
     extra: dict[tuple[int, int], list[tuple[str, float, float]]] | None = None,
@@ -250,6 +275,8 @@ def summarize(
     for ledger in ledgers:
         by_rank.setdefault(ledger.rank, []).append(ledger)
     hangs = _hang_events(launcher)
+    for key, events in _node_lost_events(ledgers, launcher, job_end).items():
+        hangs.setdefault(key, []).extend(events)
     segments = {rank: _rank_segments(lgs, resume, job_start, job_end, hangs) for rank, lgs in sorted(by_rank.items())}
     per_rank: dict[int, dict[str, float]] = {}
     for rank, segs in segments.items():
@@ -271,7 +298,8 @@ def summarize(
     health = step_health_summary((e for lg in first_rank for e in lg.events), segments, job_start, job_end)
     return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
                    sum(lg.torn_lines for lg in ledgers), outcome, facts, health,
-                   [r for r in launcher if r.get("kind") == "suspicion"])
+                   [r for r in launcher if r.get("kind") == "suspicion"],
+                   sorted((r for r in launcher if r.get("kind") in ("node_lost", "node_back")), key=lambda r: r["time"]))
 
 
 def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
@@ -301,9 +329,13 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
         if any("hang" in r and not r["hang"].get("ambiguous") for r in said):
             # Several nodes' watches each named a rank: the ones with evidence outrank the guesses.
             said = [r for r in said if not ("hang" in r and r["hang"].get("ambiguous"))]
+        lost = [r for r in launcher if r.get("kind") == "node_lost" and r.get("attempt") == attempt]
         if said:
-            failure = "; ".join(r["reason"] if "hang" in r else f"rank {r['rank']} {r['reason']}"
+            failure = "; ".join(r["reason"] if "hang" in r or "node_lost" in r else f"rank {r['rank']} {r['reason']}"
                                 for r in said if r.get("root_cause", True))
+            if lost and not any("node_lost" in r for r in said):  # its ranks failed first ("Connection reset by peer")
+                failure = "; ".join(f"node {r['node_rank']} ({r['address']}) stopped responding" for r in lost) \
+                    + f" (first error: {failure})"
         else:
             failure = "; ".join(f"rank {lg.rank} {lg.reason}" for lg in group if lg.status == "failed" and lg.reason) or None
         stopped = stops.get(attempt) or ("stopped (SIGTERM)" if group and all(lg.status == "stopped" for lg in group)

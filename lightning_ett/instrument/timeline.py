@@ -49,6 +49,7 @@ class Phase(str, Enum):
     PUBLISH = "publish"
     REPEATED = "repeated"
     HANG = "hang"
+    NODE_LOST = "node_lost"  # a node stopped responding: from its last heartbeat to the restart with it (launcher)
     SHUTDOWN = "shutdown"
     OTHER = "other"
 

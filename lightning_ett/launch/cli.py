@@ -97,14 +97,21 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--devices", "--nproc-per-node", "--nproc_per_node", type=_devices, default=1, metavar="N",
                      help="Processes on this node (one per GPU), or 'auto'. Match the Trainer's `devices`. Default 1.")
-    run.add_argument("--num-nodes", "--num_nodes", "--nnodes", type=_positive_int, default=1, metavar="N",
-                     help="Nodes in the job; start one `lightning run` per node. Match the Trainer's `num_nodes`.")
-    run.add_argument("--node-rank", "--node_rank", type=_non_negative_int, default=0, metavar="R",
-                     help="This node's rank; node 0 hosts the rendezvous at --main-address:--main-port.")
+    run.add_argument("--num-nodes", "--num_nodes", "--nnodes", type=_positive_int, default=None, metavar="N",
+                     help="Nodes in the job; start one `lightning run` per node. Match the Trainer's `num_nodes`. "
+                     "Default 1, or $SLURM_NNODES inside a SLURM allocation.")
+    run.add_argument("--node-rank", "--node_rank", type=_non_negative_int, default=None, metavar="R",
+                     help="This node's rank; node 0 hosts the rendezvous at --main-address:--main-port. Default 0, or "
+                     "$SLURM_NODEID under SLURM.")
     run.add_argument("--main-address", "--main_address", "--master-addr", default=None, metavar="HOST",
-                     help="Address of node 0, reachable from every node (default 127.0.0.1).")
+                     help="Address of node 0, reachable from every node (default 127.0.0.1, or the first host of "
+                     "$SLURM_JOB_NODELIST under SLURM).")
     run.add_argument("--main-port", "--main_port", "--master-port", type=_port, default=None, metavar="PORT",
                      help="Rendezvous port on node 0 (default 29400 with several nodes, a free port with one).")
+    run.add_argument("--local-addr", "--local_addr", default=None, metavar="ADDRESS",
+                     help="The address this node advertises to the others (torchrun's --local-addr). Default: its "
+                     "hostname, or, with several nodes where that resolves to loopback, its address on the route to "
+                     "--main-address.")
     run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
                      help="torchrun's spelling of --main-address and --main-port together.")
     run.add_argument("--max-restarts", "--max_restarts", type=_non_negative_int, default=DEFAULT_MAX_RESTARTS,
@@ -168,6 +175,7 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
     script = Path(args.script)
     if not script.is_file():
         raise ValueError(f"SCRIPT {args.script!r} is not a file (looked in {os.getcwd()!r}).")
+    _fill_from_slurm(args, os.environ)
     if args.node_rank >= args.num_nodes:
         raise ValueError(f"--node-rank {args.node_rank} is out of range for --num-nodes {args.num_nodes} "
                          f"(expected 0..{args.num_nodes - 1}).")
@@ -208,9 +216,59 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
         raise ValueError(f"--progress-every {args.progress_every!r}: expected seconds >= 0 (0: no progress line).")
     return LaunchOptions(
         hang=hang, script=str(script), script_args=tuple(args.script_args), devices=args.devices, num_nodes=args.num_nodes,
-        node_rank=args.node_rank, main_address=address or "127.0.0.1", main_port=port,
+        node_rank=args.node_rank, main_address=address or "127.0.0.1", main_port=port, local_addr=args.local_addr,
         max_restarts=args.max_restarts, run_dir=path, job_id=job_id, preload=args.preload, progress_every_s=progress,
     )
+
+
+def _fill_from_slurm(args: argparse.Namespace, env: dict[str, str] | os._Environ[str]) -> None:
+    """Inside a SLURM allocation (one ``lightning run`` per node, e.g. ``srun --ntasks-per-node=1``), read the nodes,
+    this node's rank, node 0's host and the job id from SLURM's variables; an explicit flag wins."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
+        args.num_nodes, args.node_rank = args.num_nodes or 1, args.node_rank or 0
+        return
+    from_slurm = []
+    if args.num_nodes is None:
+        args.num_nodes = _slurm_int(env, "SLURM_NNODES")
+        from_slurm.append(f"--num-nodes {args.num_nodes}")
+    if args.node_rank is None:
+        args.node_rank = _slurm_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+        from_slurm.append(f"--node-rank {args.node_rank}")
+    if args.main_address is None and args.rdzv_endpoint is None and env.get("SLURM_JOB_NODELIST"):
+        args.main_address = first_slurm_host(env["SLURM_JOB_NODELIST"])
+        from_slurm.append(f"--main-address {args.main_address}")
+    if args.job_id is None and args.run_dir is None:
+        args.job_id = f"slurm-{env['SLURM_JOB_ID']}"
+        from_slurm.append(f"--job-id {args.job_id}")
+    if from_slurm and args.node_rank == 0:
+        print(f"lightning run: SLURM job {env['SLURM_JOB_ID']}: {' '.join(from_slurm)}", file=sys.stderr, flush=True)
+
+
+def _slurm_int(env: dict[str, str] | os._Environ[str], name: str) -> int:
+    try:
+        return _non_negative_int(env[name])
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"${name}={env[name]!r}: {err}; pass the matching `lightning run` flag instead.") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list, as ``scontrol show hostnames`` would print it first.
+
+    Lightning's ``SLURMEnvironment.resolve_root_node_address`` does the same but imports torch; this
+    runs before torch is imported, so a bad flag fails at once. ``node[07-09,12],gpu5`` -> ``node07``.
+    """
+    import re
+
+    depth, end = 0, len(nodelist)
+    for i, char in enumerate(nodelist):  # the first item: up to the first comma outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = i
+            break
+    item = nodelist[:end].strip()
+    if not item or depth < 0 or not re.fullmatch(r"[^\[\],]+(\[[0-9,\-]+\][^\[\],]*)*", item):
+        raise ValueError(f"$SLURM_JOB_NODELIST={nodelist!r}: not a SLURM node list; pass --main-address.")
+    return re.sub(r"\[([0-9]+)[^\]]*\]", r"\1", item)  # each range's first value, its zero padding kept
 
 
 def _check_fault_switches() -> None:

@@ -71,7 +71,8 @@ from lightning_ett.instrument.ledger import (
     recorded_attempts,
 )
 from lightning_ett.instrument.timeline import CHECKPOINT_FACT, Phase
-from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch
+from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch, stop_processes
+from lightning_ett.launch.peers import SILENT_S, NodeLostVerdict, PeerEvent, PeerWatch
 from lightning_ett.launch.progress_line import DEFAULT_EVERY_S as DEFAULT_PROGRESS_EVERY_S
 from lightning_ett.launch.progress_line import ProgressLine
 from lightning_ett.launch.wandb_service import WandbService
@@ -93,6 +94,7 @@ class LaunchOptions:
     node_rank: int = 0
     main_address: str = "127.0.0.1"
     main_port: int | None = None
+    local_addr: str | None = None  # what this node advertises to the others (None: its hostname, as torchrun)
     max_restarts: int = DEFAULT_MAX_RESTARTS
     preload: bool = True
     run_dir: Path = field(default_factory=lambda: Path("ett_runs"))
@@ -167,26 +169,39 @@ class LaunchRecorder:
                 expects_ledgers=mentions(MENTIONS_MONITOR, opts.script, opts.script_args))
         else:
             self.watch = None
-        self.hang: HangVerdict | None = None  # set by the watch: the failure that follows is this hang
+        self.hang: HangVerdict | NodeLostVerdict | None = None  # set by a watch: the failure that follows is this
         self.progress = (ProgressLine(opts.run_dir, opts.progress_every_s)
                          if opts.progress_every_s > 0 and opts.node_rank == 0 else None)
         self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
-        self.writer.append({
+        self._write_lock = threading.Lock()  # the peer watch's thread writes too
+        self.peers: PeerWatch | None = None  # set by launch() in a multi-node job
+        self._attempt_started = 0.0
+        self._append({
             "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
             "num_nodes": opts.num_nodes, "devices": opts.devices, "max_restarts": opts.max_restarts,
             "first_attempt": self.first_attempt, "host": socket.gethostname(), "pid": os.getpid(),
+            "address": opts.local_addr or _own_address(opts.main_address),
             "argv": [opts.script, *opts.script_args],
         })
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with self._write_lock:
+            self.writer.append(record)
+
+    def peer_event(self, event: PeerEvent) -> None:
+        """From the peer watch's thread: a node lost or back, said once on the console and in the ledger."""
+        print(f"lightning run: {event.line()}", file=sys.stderr, flush=True)
+        self._append(event.record(self.attempt))
 
     def starting_workers(self) -> dict[str, str]:
         """Called before each start of the worker group: the environment of this attempt's workers."""
         self.attempt += 1
-        now = time.time()
+        now = self._attempt_started = time.time()
         env = {ENV_ATTEMPT: str(self.attempt), ENV_ATTEMPT_START: repr(now)}
         if self.wandb_service is not None:
             env.update(self.wandb_service.worker_env())
         os.environ.update(env)  # subprocess workers inherit it; forked ones get `env` as an argument
-        self.writer.append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
+        self._append({"kind": "attempt", "attempt": self.attempt, "time": now, "node_rank": self.opts.node_rank})
         self.hang = None
         if self.watch is not None:
             self.watch.attempt_started(self.attempt, now)
@@ -204,13 +219,42 @@ class LaunchRecorder:
                 self.progress = None
                 with contextlib.suppress(Exception):
                     print(f"lightning run: progress line off ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+        if self.peers is not None and self.hang is None:
+            self.hang = self._stop_if_peer_lost(workers)
         if self.watch is not None and self.hang is None:
             self.hang = self.watch.poll(workers)
             while self.watch.cleared:  # suspicions a working rank cleared: in the ledger, not on the console
-                self.writer.append(self.watch.cleared.pop(0))
+                self._append(self.watch.cleared.pop(0))
             if self.hang is not None:  # one line now; the stacks are in RUN_DIR/stacks/, the verdict in the report
                 print(f"lightning run: attempt {self.attempt} {self.hang.reason}; its group was stopped "
                       f"(evidence: {self.hang.culprit.evidence})", file=sys.stderr, flush=True)
+
+    def _stop_if_peer_lost(self, workers: dict[int, tuple[int, str | None]]) -> NodeLostVerdict | None:
+        """Stop this node's ranks when a node is lost and they have made no progress since: they wait on it.
+
+        Ranks still progressing (a short outage TCP rode out) are left alone: a healthy job is never stopped.
+        """
+        assert self.peers is not None
+        lost = self.peers.lost_nodes()
+        if not lost:
+            return None
+        node, address = min(lost.items())
+        since = self.peers.silent_since(node) or time.time()
+        if time.time() - max(since, self._attempt_started) < SILENT_S or self._progress_since(since):
+            return None  # (a rendezvous that just completed heard from every node: silence counts from there)
+        stopped = stop_processes([pid for pid, _ in workers.values()], self.opts.hang.grace_s)
+        verdict = NodeLostVerdict(self.attempt, node, address, since, stopped, sorted(workers),
+                                  via_store=self.opts.node_rank != 0)
+        print(f"lightning run: attempt {self.attempt} stopped: {verdict.reason}", file=sys.stderr, flush=True)
+        return verdict
+
+    def _progress_since(self, since: float) -> bool:
+        """Has any of this node's ranks recorded progress after ``since`` in the last ``SILENT_S``? (False without a
+        ledger to tell: then the lost node alone decides.)"""
+        if self.watch is None:
+            return False
+        recent = max(since, time.time() - SILENT_S)
+        return any(p.seen and p.last_progress > recent for p in self.watch.progress.values())
 
     def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
                        suspects: set[int] | None = None) -> None:
@@ -227,7 +271,7 @@ class LaunchRecorder:
             self.wandb_service.restart()
         if self.hang is not None:  # the watch stopped the group: its verdict is the failure
             for record in self.hang.failure_records():
-                self.writer.append(record)
+                self._append(record)
             self.last_failure = self.hang.reason
             return
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
@@ -247,7 +291,7 @@ class LaunchRecorder:
                 reason = "stopped by the launcher after another rank failed"
             else:
                 reason = f"failed after rank {root}: {failure_reason(exitcodes[rank], logs[rank])}"
-            self.writer.append({"kind": "failure", "attempt": self.attempt, "time": now, "rank": rank,
+            self._append({"kind": "failure", "attempt": self.attempt, "time": now, "rank": rank,
                                 "exitcode": exitcodes[rank], "reason": reason, "root_cause": rank == root})
 
     def end_record(self, exitcode: int, reason: str) -> dict[str, Any]:
@@ -258,8 +302,18 @@ class LaunchRecorder:
     def finished(self, end: dict[str, Any]) -> None:
         """Write ``end``, the record the printed report was made from: a later ``lightning-ett report`` reads the same
         job end, so it prints the same figures (the report's own printing is after the job's clock stopped)."""
-        self.writer.append(end)
-        self.writer.close()
+        if self.peers is not None:
+            self.peers.close(finished=True)
+        with self._write_lock:
+            self.writer.append(end)
+            self.writer.close()
+
+
+def _own_address(main_address: str) -> str | None:
+    """This node's address towards node 0, for the report to name it (None where it has none)."""
+    from lightning_ett.launch.network import route_source
+
+    return route_source(main_address)
 
 
 def _forked_worker_args(opts: LaunchOptions, env: dict[str, str]) -> tuple[str, str, str]:
@@ -281,7 +335,35 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class RecordingAgent(LocalElasticAgent):
-        """torchrun's agent, telling the recorder when workers start and why they failed."""
+        """torchrun's agent, telling the recorder when workers start and why they failed.
+
+        With several nodes it also outlives an unreachable rendezvous store (a network partition): torch's
+        agent dies on the first ``RendezvousConnectionError``, here the peer watch decides what the outage
+        means (:meth:`LaunchRecorder._stop_if_peer_lost`) and the next rendezvous waits for the store.
+        """
+
+        def __init__(self, spec: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(spec, *args, **kwargs)
+            if recorder.opts.num_nodes > 1:
+                _tolerate_unreachable_store(spec.rdzv_handler)
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+            deadline = time.monotonic() + REJOIN_TIMEOUT_S
+            said = False
+            while True:
+                try:
+                    return super()._rendezvous(worker_group)
+                except RendezvousConnectionError:
+                    if recorder.opts.num_nodes < 2 or time.monotonic() > deadline:
+                        raise
+                    if not said:
+                        said = True
+                        print(f"lightning run: the rendezvous store at {recorder.opts.main_address}:"
+                              f"{recorder.opts.main_port} does not answer; retrying for up to {REJOIN_TIMEOUT_S:.0f} s",
+                              file=sys.stderr, flush=True)
+                    time.sleep(2.0)
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             env = recorder.starting_workers()
@@ -325,6 +407,27 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
                 sweep_attempt(recorder.token, groups)
 
     return RecordingAgent
+
+
+#: How long a node keeps trying to reach an unreachable rendezvous store before its launcher gives up.
+REJOIN_TIMEOUT_S = 600.0
+
+
+def _tolerate_unreachable_store(handler: Any) -> None:
+    """While the workers run, torch's agent asks the store every monitor interval whether nodes wait to join, and dies
+    on the first connection error. Here an unreachable store reads as "none waiting": the workers run on, and the
+    peer watch stops them if they wait on the unreachable node."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    asked = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:
+        try:
+            return asked()
+        except RendezvousConnectionError:
+            return 0
+
+    handler.num_nodes_waiting = num_nodes_waiting
 
 
 def _stop_workers(pcontext: Any, timeout: float) -> float:
@@ -427,6 +530,7 @@ def torchrun_argv(opts: LaunchOptions) -> list[str]:
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", opts.job_id,
         # Node 0 hosts the rendezvous store; the others connect to it.
         "--rdzv-conf", f"is_host={str(opts.node_rank == 0).lower()}",
+        *(["--local-addr", opts.local_addr] if opts.local_addr else []),
         "--log-dir", str(opts.run_dir / WORKER_LOGS / f"node-{opts.node_rank}"), "--tee", "3",
         opts.script,  # its arguments are appended after parsing: torchrun's parser would take `--monitor` for its own
     ]
@@ -451,6 +555,7 @@ def launch(opts: LaunchOptions) -> int:
         return 2
     try:
         write_job_file(opts.run_dir, opts.job_id, job_start)
+        opts = _reachable(opts)
         os.environ.update({
             ENV_RUN_DIR: str(opts.run_dir), ENV_JOB_ID: opts.job_id, ENV_JOB_START: repr(job_start),
             ENV_LAUNCHER: "lightning run", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -466,6 +571,10 @@ def launch(opts: LaunchOptions) -> int:
         try:
             service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
             recorder = LaunchRecorder(opts, job_start, service, token=sweeper.token)
+            if opts.num_nodes > 1 and opts.main_port is not None:
+                address = opts.local_addr or _own_address(opts.main_address) or socket.gethostname()
+                recorder.peers = PeerWatch(opts.main_address, opts.main_port, opts.job_id, opts.node_rank,
+                                           opts.num_nodes, address, on_event=recorder.peer_event).start()
             try:
                 return _launch(opts, recorder)
             except KeyboardInterrupt:  # Ctrl-C before the agent took over its signals (importing torch): a stop
@@ -478,6 +587,31 @@ def launch(opts: LaunchOptions) -> int:
             sweeper.close()
     finally:
         owner.release()
+
+
+def _reachable(opts: LaunchOptions) -> LaunchOptions:
+    """With several nodes: advertise an address the other nodes can reach, and give gloo its interface.
+
+    torch advertises the hostname (``socket.getfqdn()``) and gloo binds to what it resolves to; where
+    that is loopback, the other nodes' workers would wait 30 minutes for a store they cannot reach
+    (:mod:`lightning_ett.launch.network`). ``GLOO_SOCKET_IFNAME`` set by the user is left alone.
+    """
+    if opts.num_nodes < 2:
+        return opts
+    from dataclasses import replace
+
+    from lightning_ett.launch.network import advertised_address, interface_with, route_source
+
+    if opts.local_addr is None:
+        address, why = advertised_address(opts.main_address)
+        if address is not None:
+            print(f"lightning run: {why}", file=sys.stderr, flush=True)
+            opts = replace(opts, local_addr=address)
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_with(opts.local_addr or route_source(opts.main_address) or "")
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface  # the interface on the route to node 0, not the hostname's
+    return opts
 
 
 def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:

@@ -131,9 +131,10 @@ def prepare_worker(forked_by_server: bool) -> None:
     """What every worker of ``lightning run`` does before the first line of the script, forked or fresh.
 
     It dies with the launcher (a SIGKILLed launcher leaves no worker training on its own), leads a
-    process group of its own (stopping the group stops what it starts: DataLoader workers, a publisher)
-    and, under the hang watch, dumps its stacks and serves its flight recorder on request, so a hang
-    is watched from the first instant, whether the script uses ETTMonitor or not.
+    process group of its own (stopping the group stops what it starts: DataLoader workers, a publisher),
+    on a node without rank 0 fails fast if rank 0's store cannot be reached, and, under the hang watch,
+    dumps its stacks and serves its flight recorder on request, so a hang is watched from the first
+    instant, whether the script uses ETTMonitor or not.
     """
     from lightning_ett.lifecycle.lifeline import hold_on_to_launcher
     from lightning_ett.lifecycle.sweeper import lead_process_group
@@ -148,6 +149,9 @@ def prepare_worker(forked_by_server: bool) -> None:
         dumps = stack_dump_path(run_dir, int(attempt), rank) if run_dir and attempt.isdigit() else None
         register_dump_signal(dumps)
         flight_recorder.serve(rank)
+    from lightning_ett.launch.network import exit_if_store_unreachable
+
+    exit_if_store_unreachable(EXIT_NOT_RETRYABLE)  # seconds, not the process group's 30-minute timeout
 
 
 #: A worker's exit code for an error that fails the same way on every attempt (sysexits' EX_CONFIG): the

@@ -142,6 +142,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--sharding-type", default="table_wise")
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=0)
@@ -197,7 +198,7 @@ def main() -> None:
         callbacks.append(SyncReference(args.sync_ref_at, out / "ref"))
     if args.block_tmp_of is not None:
         callbacks.append(BlockSave(args.block_tmp_of, Path(args.ckpt_dir)))
-    trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
+    trainer = Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0,
                       enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),

@@ -1,0 +1,145 @@
+"""Which address a node advertises, which interface gloo uses, and whether a worker can reach its store.
+
+In a multi-node job torch's rendezvous advertises node 0's *hostname* as the workers' store
+address (``RendezvousStoreInfo.build``: ``local_addr or socket.getfqdn()``), and gloo binds to
+the address its hostname resolves to. Where ``/etc/hosts`` maps the hostname to 127.0.0.1 (these
+machines, many containers) both are loopback: the other nodes' workers then wait in
+``init_process_group`` for the 30-minute process-group timeout, with nothing reported. So:
+
+* :func:`advertised_address`: the address on the route to ``--main-address`` (what torchrun's
+  ``--local-addr`` would be set to), used when the hostname resolves to loopback;
+* :func:`interface_with`: the interface holding that address, for ``GLOO_SOCKET_IFNAME``;
+* :func:`check_store_reachable`: run in each worker before the script; a store address that is
+  loopback on another node fails at once, one with no route or no answer within
+  :data:`UNREACHABLE_TIMEOUT_S`, each with the address and the fix named.
+
+Standard library only (``socket``, ``fcntl``): the launcher runs this before importing torch, and
+the worker before the script.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import sys
+import time
+
+#: A worker whose store address has no route, or does not answer, fails after this long (not the
+#: 30-minute process-group timeout). A refused connection is not a failure: the host answers, and
+#: rank 0 may not have opened its store yet.
+UNREACHABLE_TIMEOUT_S = 30.0
+_SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
+_UNREACHABLE = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ETIMEDOUT, errno.EADDRNOTAVAIL}
+
+
+def is_loopback(host: str) -> bool:
+    """Does ``host`` resolve to a loopback address here (or not resolve at all)?"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True  # an unresolvable name is as unreachable for the peers as loopback
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def route_source(peer: str) -> str | None:
+    """The local address the kernel uses to reach ``peer`` (a UDP ``connect`` sends nothing), or None without a route."""
+    try:
+        family = socket.getaddrinfo(peer, None, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def advertised_address(main_address: str) -> tuple[str | None, str | None]:
+    """What this node should advertise to its peers, and a line saying why, when it is not the hostname.
+
+    ``(None, None)``: the hostname resolves to an address the peers can use, as torch assumes. Otherwise the
+    source address of the route to ``main_address`` (what ``--local-addr`` sets), with the reason.
+    """
+    hostname = socket.getfqdn()
+    if not is_loopback(hostname) or is_loopback(main_address):
+        return None, None  # (all nodes on one machine, meeting on loopback: loopback is right)
+    source = route_source(main_address)
+    if source is None or ipaddress.ip_address(source).is_loopback:
+        return None, None
+    return source, (f"this host's name {socket.gethostname()!r} resolves to loopback, which the other nodes cannot reach; "
+                    f"advertising {source} (the address on the route to --main-address {main_address}). "
+                    "Pass --local-addr to choose another.")
+
+
+def interface_with(address: str) -> str | None:
+    """The name of the interface that holds IPv4 ``address``, or None (IPv6, or not on this host)."""
+    try:
+        wanted = socket.inet_aton(address)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if answer[20:24] == wanted:
+                return name
+    return None
+
+
+class StoreUnreachableError(RuntimeError):
+    """A worker cannot reach the store its rank 0 hosts (``MASTER_ADDR:MASTER_PORT``)."""
+
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable  # a loopback address fails the same way on every attempt; a network down may not
+
+
+def check_store_reachable(env: dict[str, str] | None = None, timeout_s: float = UNREACHABLE_TIMEOUT_S) -> None:
+    """Raise :class:`StoreUnreachableError` if this worker cannot reach its store; return once the host answers.
+
+    Only in a multi-node job (``GROUP_WORLD_SIZE`` > 1) and on nodes that do not host rank 0
+    (``GROUP_RANK`` > 0): there the store is on another machine.
+    """
+    env = dict(os.environ) if env is None else env
+    host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
+    if not host or not port.isdigit() or int(env.get("GROUP_WORLD_SIZE", "1")) < 2 \
+            or int(env.get("GROUP_RANK", "0")) == 0:
+        return
+    fix = ("the node that hosts rank 0 advertised it to the rendezvous: pass each node's `lightning run` a --local-addr "
+           "the other nodes can reach (its address on the network between the nodes), or make its hostname resolve to "
+           "that address")
+    if is_loopback(host):
+        raise StoreUnreachableError(f"the store address MASTER_ADDR={host!r} is loopback on this host, so the store of "
+                                    f"rank 0, on another node, cannot be reached: {fix}.", retryable=False)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except ConnectionRefusedError:
+            return  # the host answers; rank 0 opens its store when it gets there
+        except OSError as err:
+            if not isinstance(err, TimeoutError) and err.errno not in _UNREACHABLE:
+                raise StoreUnreachableError(f"cannot reach the store at {host}:{port} (MASTER_ADDR:MASTER_PORT) from "
+                                            f"this host: {err}. Check the address: {fix}.", retryable=False) from None
+            if time.monotonic() >= deadline:
+                raise StoreUnreachableError(
+                    f"no route to or no answer from the store at {host}:{port} (MASTER_ADDR:MASTER_PORT) for "
+                    f"{timeout_s:.0f} s from this host ({err}): the network between the nodes is down, or {host} is "
+                    f"not the address of rank 0's node on it ({fix}).", retryable=True) from None
+        time.sleep(1.0)
+
+
+def exit_if_store_unreachable(not_retryable_code: int) -> None:
+    """:func:`check_store_reachable` for a worker: the reason on stderr (the launcher reads its last line), then exit.
+
+    An address that cannot work exits with ``not_retryable_code``, so the launcher does not retry it."""
+    try:
+        check_store_reachable()
+    except StoreUnreachableError as err:
+        print(f"StoreUnreachableError: {err}", file=sys.stderr, flush=True)
+        os._exit(1 if err.retryable else not_retryable_code)
