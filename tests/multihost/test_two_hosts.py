@@ -31,6 +31,25 @@ def _ett_job(tmp, max_steps: int, step_sleep: float = 0.0) -> list[str]:
             "--async-every", "5", "--ckpt-dir", str(tmp / "ckpt"), "--ett-from-env", "--step-sleep", str(step_sleep)]
 
 
+# ---------------------------------------------------------------------------------------------- no false alarms first
+def test_a_node_that_starts_late_or_a_short_outage_is_no_lost_node(two_hosts, tmp_path):
+    # Node 1 starts 20 s after node 0 (a scheduler), then its link drops for 5 s mid-training: TCP rides it out.
+    job = TwoHostJob(two_hosts, tmp_path, _ett_job(tmp_path, 80, 0.1), ["--max-restarts", "0"])
+    job.start(0)
+    time.sleep(SILENT_S + 5)
+    job.start(1)
+    job.wait_for_steps(15)
+    two_hosts.set_link(1, up=False)
+    time.sleep(5)
+    two_hosts.set_link(1, up=True)
+    assert job.wait(0, 300) == 0, job.output(0)[-4000:]
+    assert job.wait(1, 60) == 0, job.output(1)[-4000:]
+    s = summarize_run_dir(tmp_path / "run")
+    assert len(s.attempts) == 1 and s.completed and s.nodes == [] and s.phases["node_lost"] == 0
+    for node in (0, 1):
+        assert "stopped responding" not in job.output(node)
+
+
 def test_the_example_trains_across_two_hosts_with_one_wandb_run_and_one_report(two_hosts, tmp_path):
     job = TwoHostJob(two_hosts, tmp_path, EXAMPLE, ["--max-restarts", "0"]).start_both()
     assert job.wait(0, 300) == 0, job.output(0)[-4000:]
@@ -47,6 +66,7 @@ def test_the_example_trains_across_two_hosts_with_one_wandb_run_and_one_report(t
     # The hostname is loopback on both hosts: each advertised its address on the pair instead, and said so.
     for node in (0, 1):
         assert f"advertising {two_hosts.address(node)}" in job.output(node)
+    assert "stopped responding" not in job.output(0) + job.output(1) and s.nodes == []
     runs = list(tmp_path.glob("ett_runs/wandb/offline-run-*"))
     assert len(runs) == 1, runs  # one W&B run for the job (rank 0's)
 

@@ -198,7 +198,8 @@ def main() -> None:
         callbacks.append(SyncReference(args.sync_ref_at, out / "ref"))
     if args.block_tmp_of is not None:
         callbacks.append(BlockSave(args.block_tmp_of, Path(args.ckpt_dir)))
-    trainer = Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.max_steps, logger=False,
+    trainer = Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+                      max_steps=args.max_steps, logger=False,
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0,
                       enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),
