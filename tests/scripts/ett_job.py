@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--ckpt-dir", default=None)
-    p.add_argument("--resume", default=None)
+    p.add_argument("--resume", default=None, help="a checkpoint, or 'last' (with --save-every: ModelCheckpoint's last)")
     p.add_argument("--plan-cache", default=None)
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--batch", type=int, default=64)
@@ -183,7 +183,10 @@ def main() -> None:
                            fused_optimizer=args.fused_optimizer, fused_optimizer_kwargs={"lr": 0.05},
                            sharding_group_size=args.sharding_group_size)
     callbacks = [ETTMonitor() if args.ett_from_env else ETTMonitor(run_dir=out / "ett", report_on_end=False)]
-    if args.save_every:
+    if args.save_every and args.resume == "last":  # the plain setup: one synchronous write per save, resume from it
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=1,
+                                         save_last="link"))
+    elif args.save_every:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
                                          filename="step{step}", auto_insert_metric_name=False))
     if args.async_every or args.async_minutes:
@@ -211,7 +214,10 @@ def main() -> None:
     model.kill_rank = args.kill_rank
     model.fail_at = args.fail_at
     model.step_sleep = args.step_sleep
-    trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.resume)
+    resume = args.resume
+    if resume == "last" and not (Path(args.ckpt_dir) / "last.ckpt").exists():
+        resume = None  # the first attempt: nothing saved yet
+    trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=resume)
     if args.predict_out:  # the sharded model's own predictions (a collective forward on every rank)
         dense, kjt, _ = make_batch(EVAL_STEP, trainer.global_rank, args.batch, args.rows)
         with torch.no_grad():
