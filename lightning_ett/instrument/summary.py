@@ -37,6 +37,9 @@ from lightning_ett.instrument.straggler_facts import straggler_digest
 from lightning_ett.instrument.timeline import LOST, PHASE_NAMES, STRAGGLER_FACT, Phase
 
 SUMMARY_FILE = "ett_summary.json"
+#: Node 0 notes a heartbeat when it reads it, up to a period (2 s) after it was sent: a failure that came just before
+#: the lost node's last heartbeat as node 0 noted it is still that loss's.
+HEARTBEAT_SLACK_S = 5.0
 
 
 @dataclass
@@ -195,18 +198,34 @@ def _hang_events(launcher: list[dict[str, Any]]) -> dict[tuple[int, int], list[t
     return found
 
 
+def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``node_lost`` records whose attempt then failed (at or after the node's last heartbeat, before it was back).
+
+    A node silent while the ranks trained on (a blip on the store's network) ended nothing: not charged."""
+    backs = [r for r in launcher if r.get("kind") == "node_back"]
+    ended = []
+    for record in launcher:
+        if record.get("kind") != "node_lost":
+            continue
+        try:
+            attempt, since, node = int(record["attempt"]), float(record["since"]), int(record["node_rank"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        back = min((float(b["time"]) for b in backs if b.get("node_rank") == node and float(b["time"]) > since),
+                   default=float("inf"))
+        if any(r.get("kind") == "failure" and r.get("attempt") == attempt
+               and since - HEARTBEAT_SLACK_S <= float(r["time"]) <= back for r in launcher):
+            ended.append(record)
+    return ended
+
+
 def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
                       job_end: float) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
     """``(attempt, rank) -> [("node_lost", last heartbeat, next attempt's start)]`` for every rank of the attempt."""
     starts = sorted((float(r["time"]), int(r["attempt"])) for r in launcher if r.get("kind") == "attempt")
     found: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
-    for record in launcher:
-        if record.get("kind") != "node_lost":
-            continue
-        try:
-            attempt, since = int(record["attempt"]), float(record["since"])
-        except (KeyError, TypeError, ValueError):
-            continue
+    for record in _losses_that_ended_attempts(launcher):
+        attempt, since = int(record["attempt"]), float(record["since"])
         until = min((t for t, a in starts if a > attempt and t > since), default=job_end)
         for ledger in ledgers:
             if ledger.attempt == attempt:
@@ -329,7 +348,7 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
         if any("hang" in r and not r["hang"].get("ambiguous") for r in said):
             # Several nodes' watches each named a rank: the ones with evidence outrank the guesses.
             said = [r for r in said if not ("hang" in r and r["hang"].get("ambiguous"))]
-        lost = [r for r in launcher if r.get("kind") == "node_lost" and r.get("attempt") == attempt]
+        lost = [r for r in _losses_that_ended_attempts(launcher) if r.get("attempt") == attempt]
         if said:
             failure = "; ".join(r["reason"] if "hang" in r or "node_lost" in r else f"rank {r['rank']} {r['reason']}"
                                 for r in said if r.get("root_cause", True))

@@ -223,10 +223,16 @@ def _launch_options(args: argparse.Namespace) -> LaunchOptions:
 
 def _fill_from_slurm(args: argparse.Namespace, env: dict[str, str] | os._Environ[str]) -> None:
     """Inside a SLURM allocation (one ``lightning run`` per node, e.g. ``srun --ntasks-per-node=1``), read the nodes,
-    this node's rank, node 0's host and the job id from SLURM's variables; an explicit flag wins."""
+    this node's rank, node 0's host (the step's first), a port from the job id (as Lightning does) and the job id
+    from SLURM's variables; an explicit flag wins. Several tasks per node are refused: each would start every rank."""
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         args.num_nodes, args.node_rank = args.num_nodes or 1, args.node_rank or 0
         return
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+    if "SLURM_LOCALID" in env and not tasks.split("(")[0].split(",")[0] == "1":
+        raise ValueError(f"this SLURM step runs {tasks} tasks per node (SLURM_STEP_TASKS_PER_NODE); `lightning run` "
+                         "starts every process of its node itself: run one per node, e.g. `srun --ntasks-per-node=1 "
+                         "lightning run --devices 8 ...`.")
     from_slurm = []
     if args.num_nodes is None:
         args.num_nodes = _slurm_int(env, "SLURM_NNODES")
@@ -234,9 +240,14 @@ def _fill_from_slurm(args: argparse.Namespace, env: dict[str, str] | os._Environ
     if args.node_rank is None:
         args.node_rank = _slurm_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
         from_slurm.append(f"--node-rank {args.node_rank}")
-    if args.main_address is None and args.rdzv_endpoint is None and env.get("SLURM_JOB_NODELIST"):
-        args.main_address = first_slurm_host(env["SLURM_JOB_NODELIST"])
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")  # (a step may run on part of the job)
+    if args.main_address is None and args.rdzv_endpoint is None and nodelist:
+        args.main_address = first_slurm_host(nodelist)
         from_slurm.append(f"--main-address {args.main_address}")
+    if args.main_port is None and args.rdzv_endpoint is None and args.num_nodes > 1:
+        job = "".join(c for c in env["SLURM_JOB_ID"] if c.isdigit())[-4:] or "0"
+        args.main_port = 15000 + int(job)  # as Lightning's SLURMEnvironment: two jobs on one node do not collide
+        from_slurm.append(f"--main-port {args.main_port}")
     if args.job_id is None and args.run_dir is None:
         args.job_id = f"slurm-{env['SLURM_JOB_ID']}"
         from_slurm.append(f"--job-id {args.job_id}")

@@ -30,12 +30,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lightning_ett.durable.procfs import TreeSample, process_alive, sample_tree
 from lightning_ett.instrument.ledger import ledger_path, read_launcher_records, read_ledger, recorded_attempts
+from lightning_ett.launch.peers import NodeLostVerdict
 from lightning_ett.lifecycle.sweeper import kill_process_groups
 from lightning_ett.watch import flight_recorder
 from lightning_ett.watch.activity import SAMPLE_S, Activity, ActivityMeter, activity_between
@@ -158,6 +160,9 @@ class HangWatch:
         self._ledgers_seen = expects_ledgers or bool(recorded_attempts(self.run_dir))
         #: Suspicions cleared because a rank was working, as launcher-ledger records (the recorder writes them).
         self.cleared: list[dict[str, Any]] = []
+        #: Node 0 of several: the node lost now, if any (:meth:`lightning_ett.launch.peers.PeerWatch.lost`). A
+        #: confirmed stall while one is lost is stopped at once, naming it, instead of waiting for its watch.
+        self.lost_node: Callable[[], tuple[int, str, float] | None] | None = None
         self._learn_from_earlier_launches()
 
     def _learn_from_earlier_launches(self) -> None:
@@ -184,7 +189,7 @@ class HangWatch:
         self.meter = ActivityMeter()
         self._backoff_until = 0.0
 
-    def poll(self, workers: dict[int, tuple[int, str | None]]) -> HangVerdict | None:
+    def poll(self, workers: dict[int, tuple[int, str | None]]) -> HangVerdict | NodeLostVerdict | None:
         """Read the ledgers (at most every :data:`POLL_S`); on a hang, respond and return the verdict.
 
         ``workers`` maps each global rank of this node to its pid and its stderr log.
@@ -272,7 +277,7 @@ class HangWatch:
         return str(path) if path.exists() else logs.get(rank)
 
     def _confirm(self, stall: Stall, ranks: dict[int, RankProgress], workers: dict[int, tuple[int, str | None]],
-                 busy_counts: bool) -> HangVerdict | None:
+                 busy_counts: bool) -> HangVerdict | NodeLostVerdict | None:
         pids = {rank: workers[rank][0] for rank in ranks}
         logs = {rank: workers[rank][1] for rank in ranks}
         samples = _samples(pids)
@@ -294,6 +299,8 @@ class HangWatch:
         if moved := working(before_stacks, self._evidence(ranks, stacks_b, collectives), {}):
             self._clear(stall, *next(iter(moved.items())))
             return None
+        if self.lost_node is not None and (lost := self.lost_node()) is not None:
+            return self._node_lost(lost, ranks, pids)  # stalled, and a node is silent: it is the cause, and says nothing
         if (self.num_nodes > 1 and all_waiting_remotely(ranks, stacks_b, collectives)
                 and stall.silent_s < self.options.timeouts.longest_default()):
             # This node holds none of the cause; the node that does may be doing legitimate slow work in a phase
@@ -302,6 +309,12 @@ class HangWatch:
             return None
         states = {rank: (activity[rank].state if rank in activity else None) for rank in ranks}
         return self._respond(stall, ranks, pids, stacks_b, collectives, states)
+
+    def _node_lost(self, lost: tuple[int, str, float], ranks: dict[int, RankProgress],
+                   pids: dict[int, int]) -> NodeLostVerdict:
+        node, address, since = lost
+        stopped = stop_processes(list(pids.values()), self.options.grace_s)
+        return NodeLostVerdict(self._attempt, node, address, since, stopped, sorted(ranks))
 
     def _respond(self, stall: Stall, ranks: dict[int, RankProgress], pids: dict[int, int],
                  stacks: dict[int, StackDump | None], collectives: dict[int, Collectives | None],

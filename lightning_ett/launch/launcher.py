@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -72,7 +72,7 @@ from lightning_ett.instrument.ledger import (
 )
 from lightning_ett.instrument.timeline import CHECKPOINT_FACT, Phase
 from lightning_ett.launch.hang_response import HangOptions, HangVerdict, HangWatch, stop_processes
-from lightning_ett.launch.peers import SILENT_S, NodeLostVerdict, PeerEvent, PeerWatch
+from lightning_ett.launch.peers import NodeLostVerdict, PeerEvent, PeerWatch
 from lightning_ett.launch.progress_line import DEFAULT_EVERY_S as DEFAULT_PROGRESS_EVERY_S
 from lightning_ett.launch.progress_line import ProgressLine
 from lightning_ett.launch.wandb_service import WandbService
@@ -80,6 +80,7 @@ from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE
 from lightning_ett.lifecycle.sweeper import Sweeper, kill_process_groups, sweep_attempt
 
 WORKER_LOGS = "worker_logs"
+WAITING = "; waiting for it, or a launcher replacing it, to rejoin the rendezvous (torch's join timeout, 600 s)"
 DEFAULT_MAX_RESTARTS = 3
 
 
@@ -175,7 +176,9 @@ class LaunchRecorder:
         self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
         self._write_lock = threading.Lock()  # the peer watch's thread writes too
         self.peers: PeerWatch | None = None  # set by launch() in a multi-node job
-        self._attempt_started = 0.0
+        self._between_attempts = True  # no worker group running: after a failure, before the next start
+        self._worker_pids: list[int] = []
+        self._worker_ranks: list[int] = []
         self._append({
             "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
             "num_nodes": opts.num_nodes, "devices": opts.devices, "max_restarts": opts.max_restarts,
@@ -190,13 +193,28 @@ class LaunchRecorder:
 
     def peer_event(self, event: PeerEvent) -> None:
         """From the peer watch's thread: a node lost or back, said once on the console and in the ledger."""
-        print(f"lightning run: {event.line()}", file=sys.stderr, flush=True)
+        waiting = event.kind == "node_lost" and self._between_attempts
+        print(f"lightning run: {event.line()}" + (WAITING if waiting else ""), file=sys.stderr, flush=True)
         self._append(event.record(self.attempt))
+
+    def stopped_by_node0(self, attempt: int, reason: str) -> None:
+        """From the peer watch's thread (nodes other than 0): node 0 stopped ``attempt`` for a lost node. This node's
+        ranks of it may wait on peers that are gone (a partition swallowed the connection resets): stop them too."""
+        if attempt != self.attempt or self.hang is not None or self._between_attempts:
+            return
+        now = time.time()
+        self.hang = NodeLostVerdict(attempt, -1, "", now, now, sorted(self._worker_ranks), told=reason)
+        stopped = stop_processes(list(self._worker_pids), self.opts.hang.grace_s)
+        self.hang = replace(self.hang, stopped=stopped)
+        print(f"lightning run: attempt {attempt} {self.hang.reason}", file=sys.stderr, flush=True)
 
     def starting_workers(self) -> dict[str, str]:
         """Called before each start of the worker group: the environment of this attempt's workers."""
         self.attempt += 1
-        now = self._attempt_started = time.time()
+        now = time.time()
+        self._between_attempts = False
+        if self.peers is not None:
+            self.peers.attempt = self.attempt
         env = {ENV_ATTEMPT: str(self.attempt), ENV_ATTEMPT_START: repr(now)}
         if self.wandb_service is not None:
             env.update(self.wandb_service.worker_env())
@@ -219,42 +237,18 @@ class LaunchRecorder:
                 self.progress = None
                 with contextlib.suppress(Exception):
                     print(f"lightning run: progress line off ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
-        if self.peers is not None and self.hang is None:
-            self.hang = self._stop_if_peer_lost(workers)
+        self._worker_pids, self._worker_ranks = [pid for pid, _ in workers.values()], sorted(workers)
         if self.watch is not None and self.hang is None:
             self.hang = self.watch.poll(workers)
             while self.watch.cleared:  # suspicions a working rank cleared: in the ledger, not on the console
                 self._append(self.watch.cleared.pop(0))
-            if self.hang is not None:  # one line now; the stacks are in RUN_DIR/stacks/, the verdict in the report
+            if isinstance(self.hang, NodeLostVerdict):  # node 0: the other nodes stop this attempt too
+                print(f"lightning run: attempt {self.attempt} stopped: {self.hang.reason}", file=sys.stderr, flush=True)
+                if self.peers is not None:
+                    self.peers.announce_stop(self.attempt, self.hang.reason)
+            elif self.hang is not None:  # one line now; the stacks are in RUN_DIR/stacks/, the verdict in the report
                 print(f"lightning run: attempt {self.attempt} {self.hang.reason}; its group was stopped "
                       f"(evidence: {self.hang.culprit.evidence})", file=sys.stderr, flush=True)
-
-    def _stop_if_peer_lost(self, workers: dict[int, tuple[int, str | None]]) -> NodeLostVerdict | None:
-        """Stop this node's ranks when a node is lost and they have made no progress since: they wait on it.
-
-        Ranks still progressing (a short outage TCP rode out) are left alone: a healthy job is never stopped.
-        """
-        assert self.peers is not None
-        lost = self.peers.lost_nodes()
-        if not lost:
-            return None
-        node, address = min(lost.items())
-        since = self.peers.silent_since(node) or time.time()
-        if time.time() - max(since, self._attempt_started) < SILENT_S or self._progress_since(since):
-            return None  # (a rendezvous that just completed heard from every node: silence counts from there)
-        stopped = stop_processes([pid for pid, _ in workers.values()], self.opts.hang.grace_s)
-        verdict = NodeLostVerdict(self.attempt, node, address, since, stopped, sorted(workers),
-                                  via_store=self.opts.node_rank != 0)
-        print(f"lightning run: attempt {self.attempt} stopped: {verdict.reason}", file=sys.stderr, flush=True)
-        return verdict
-
-    def _progress_since(self, since: float) -> bool:
-        """Has any of this node's ranks recorded progress after ``since`` in the last ``SILENT_S``? (False without a
-        ledger to tell: then the lost node alone decides.)"""
-        if self.watch is None:
-            return False
-        recent = max(since, time.time() - SILENT_S)
-        return any(p.seen and p.last_progress > recent for p in self.watch.progress.values())
 
     def workers_failed(self, failures: dict[int, Any], stderr_files: dict[int, str],
                        suspects: set[int] | None = None) -> None:
@@ -267,6 +261,9 @@ class LaunchRecorder:
         by peer" errors after it.
         """
         now = time.time()
+        self._between_attempts = True
+        if self.peers is not None and (lost := self.peers.lost()) is not None:
+            print(f"lightning run: node {lost[0]} ({lost[1]}){WAITING}", file=sys.stderr, flush=True)
         if self.wandb_service is not None:
             self.wandb_service.restart()
         if self.hang is not None:  # the watch stopped the group: its verdict is the failure
@@ -350,14 +347,18 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
         def _rendezvous(self, worker_group: Any) -> None:
             from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+            from lightning_ett.launch.network import store_answers
+
             deadline = time.monotonic() + REJOIN_TIMEOUT_S
             said = False
             while True:
                 try:
                     return super()._rendezvous(worker_group)
                 except RendezvousConnectionError:
-                    if recorder.opts.num_nodes < 2 or time.monotonic() > deadline:
-                        raise
+                    opts = recorder.opts
+                    if opts.num_nodes < 2 or opts.main_port is None or time.monotonic() > deadline \
+                            or store_answers(opts.main_address, opts.main_port) != "unreachable":
+                        raise  # (a refused connection: node 0's launcher is gone, and with it the job)
                     if not said:
                         said = True
                         print(f"lightning run: the rendezvous store at {recorder.opts.main_address}:"
@@ -574,7 +575,10 @@ def launch(opts: LaunchOptions) -> int:
             if opts.num_nodes > 1 and opts.main_port is not None:
                 address = opts.local_addr or _own_address(opts.main_address) or socket.gethostname()
                 recorder.peers = PeerWatch(opts.main_address, opts.main_port, opts.job_id, opts.node_rank,
-                                           opts.num_nodes, address, on_event=recorder.peer_event).start()
+                                           opts.num_nodes, address, on_event=recorder.peer_event,
+                                           on_stop=recorder.stopped_by_node0).start()
+                if recorder.watch is not None and opts.node_rank == 0:
+                    recorder.watch.lost_node = recorder.peers.lost
             try:
                 return _launch(opts, recorder)
             except KeyboardInterrupt:  # Ctrl-C before the agent took over its signals (importing torch): a stop
@@ -594,24 +598,22 @@ def _reachable(opts: LaunchOptions) -> LaunchOptions:
 
     torch advertises the hostname (``socket.getfqdn()``) and gloo binds to what it resolves to; where
     that is loopback, the other nodes' workers would wait 30 minutes for a store they cannot reach
-    (:mod:`lightning_ett.launch.network`). ``GLOO_SOCKET_IFNAME`` set by the user is left alone.
+    (:mod:`lightning_ett.launch.network`). Only then is anything changed: a hostname that resolves to a
+    real address keeps torch's and gloo's choices, and ``GLOO_SOCKET_IFNAME`` set by the user is left alone.
     """
-    if opts.num_nodes < 2:
+    if opts.num_nodes < 2 or opts.local_addr is not None:
         return opts
-    from dataclasses import replace
+    from lightning_ett.launch.network import advertised_address, interface_with
 
-    from lightning_ett.launch.network import advertised_address, interface_with, route_source
-
-    if opts.local_addr is None:
-        address, why = advertised_address(opts.main_address)
-        if address is not None:
-            print(f"lightning run: {why}", file=sys.stderr, flush=True)
-            opts = replace(opts, local_addr=address)
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = interface_with(opts.local_addr or route_source(opts.main_address) or "")
-        if interface is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface  # the interface on the route to node 0, not the hostname's
-    return opts
+    address, why = advertised_address(opts.main_address)
+    if address is None:
+        return opts
+    interface = None if "GLOO_SOCKET_IFNAME" in os.environ else interface_with(address)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo would bind to the hostname's address: loopback
+        why += f" gloo uses its interface, {interface} (GLOO_SOCKET_IFNAME)."
+    print(f"lightning run: {why}", file=sys.stderr, flush=True)
+    return replace(opts, local_addr=address)
 
 
 def _launch(opts: LaunchOptions, recorder: LaunchRecorder) -> int:

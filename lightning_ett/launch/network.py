@@ -39,10 +39,23 @@ _UNREACHABLE = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ET
 def is_loopback(host: str) -> bool:
     """Does ``host`` resolve to a loopback address here (or not resolve at all)?"""
     try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return _all_loopback(host)
     except OSError:
         return True  # an unresolvable name is as unreachable for the peers as loopback
+
+
+def _all_loopback(host: str) -> bool:
+    """Like :func:`is_loopback`, but a name that does not resolve raises (``socket.gaierror``)."""
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def route_source(peer: str) -> str | None:
@@ -56,38 +69,67 @@ def route_source(peer: str) -> str | None:
         return None
 
 
+def _first_outward_address() -> str | None:
+    """An address of this host that is not loopback: the default route's source, else the first interface's."""
+    for probe in ("192.0.2.1", "2001:db8::1"):  # documentation addresses: only the route is looked up
+        source = route_source(probe)
+        if source is not None and not ipaddress.ip_address(source.split("%")[0]).is_loopback:
+            return source
+    for _, name in socket.if_nameindex():
+        address = _interface_address(name)
+        if address is not None and not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
+
+
 def advertised_address(main_address: str) -> tuple[str | None, str | None]:
     """What this node should advertise to its peers, and a line saying why, when it is not the hostname.
 
-    ``(None, None)``: the hostname resolves to an address the peers can use, as torch assumes. Otherwise the
-    source address of the route to ``main_address`` (what ``--local-addr`` sets), with the reason.
+    ``(None, None)``: the hostname resolves to an address the peers can use, as torch assumes, or every
+    node meets on loopback (``--main-address`` a loopback IP: one machine). Otherwise the source address
+    of the route to ``main_address`` (what ``--local-addr`` sets); when ``main_address`` is this host's own
+    name that resolves to loopback here (Debian's ``127.0.1.1 <hostname>``), its outward address.
     """
     hostname = socket.getfqdn()
-    if not is_loopback(hostname) or is_loopback(main_address):
-        return None, None  # (all nodes on one machine, meeting on loopback: loopback is right)
+    if not is_loopback(hostname) or (_is_ip_literal(main_address) and is_loopback(main_address)):
+        return None, None
     source = route_source(main_address)
-    if source is None or ipaddress.ip_address(source).is_loopback:
+    how = f"the address on the route to --main-address {main_address}"
+    if source is None or ipaddress.ip_address(source.split("%")[0]).is_loopback:
+        source, how = _first_outward_address(), "this host's outward address"
+    if source is None:
         return None, None
     return source, (f"this host's name {socket.gethostname()!r} resolves to loopback, which the other nodes cannot reach; "
-                    f"advertising {source} (the address on the route to --main-address {main_address}). "
-                    "Pass --local-addr to choose another.")
+                    f"advertising {source} ({how}). Pass --local-addr to choose another.")
 
 
 def interface_with(address: str) -> str | None:
     """The name of the interface that holds IPv4 ``address``, or None (IPv6, or not on this host)."""
-    try:
-        wanted = socket.inet_aton(address)
-    except OSError:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                answer = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # no IPv4 address on it
-            if answer[20:24] == wanted:
-                return name
+    for _, name in socket.if_nameindex():
+        if _interface_address(name) == address:
+            return name
     return None
+
+
+def _interface_address(name: str) -> str | None:
+    """Interface ``name``'s IPv4 address, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            answer = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None  # no IPv4 address on it
+    return socket.inet_ntoa(answer[20:24])
+
+
+def store_answers(host: str, port: int, timeout_s: float = 5.0) -> str:
+    """``"answers"`` (something listens), ``"refused"`` (the host answers, nothing listens) or ``"unreachable"``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return "answers"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "unreachable"
 
 
 class StoreUnreachableError(RuntimeError):
@@ -112,10 +154,19 @@ def check_store_reachable(env: dict[str, str] | None = None, timeout_s: float = 
     fix = ("the node that hosts rank 0 advertised it to the rendezvous: pass each node's `lightning run` a --local-addr "
            "the other nodes can reach (its address on the network between the nodes), or make its hostname resolve to "
            "that address")
-    if is_loopback(host):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            loopback = _all_loopback(host)
+            break
+        except OSError as err:  # (a name server that does not answer now may on the next try)
+            if time.monotonic() >= deadline:
+                raise StoreUnreachableError(f"cannot resolve the store address MASTER_ADDR={host!r} from this host "
+                                            f"for {timeout_s:.0f} s ({err}): {fix}.", retryable=True) from None
+            time.sleep(1.0)
+    if loopback:
         raise StoreUnreachableError(f"the store address MASTER_ADDR={host!r} is loopback on this host, so the store of "
                                     f"rank 0, on another node, cannot be reached: {fix}.", retryable=False)
-    deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):

@@ -10,11 +10,13 @@ rendezvous store (the TCPStore node 0's agent hosts at ``--main-address:--main-p
 * node 0 reads every node's counter; one that has not moved for :data:`SILENT_S` is *lost*:
   ``node 1 (10.0.0.2) stopped responding``, said once, on the console and in the launcher's
   ledger (``node_lost``), and ``node_back`` when it, or a launcher replacing it, counts again;
-* every other node notes when the store last answered: node 0 is unreachable after
-  :data:`SILENT_S` without an answer.
+* when node 0 stops an attempt for a lost node, it says so in the store (:meth:`PeerWatch.announce_stop`)
+  and every other node stops its ranks of that attempt as soon as it reads it.
 
-What the launcher does about it (stop a group blocked on the lost node, keep its agent alive
-while the store is unreachable) is in :mod:`lightning_ett.launch.launcher`. Its own TCPStore
+Silence alone stops nothing: the hang watch decides whether this node's ranks are stalled (its learned
+limits and evidence, :mod:`lightning_ett.launch.hang_response`), and a lost node only names the cause
+and lets the watch act where it would otherwise wait for the other node's watch. Keeping the agent
+alive while the store is unreachable is in :mod:`lightning_ett.launch.launcher`. Its own TCPStore
 client, not the agent's: a heartbeat must never wait behind the rendezvous, nor it behind one.
 """
 
@@ -52,7 +54,7 @@ class PeerEvent:
     def line(self) -> str:
         if self.kind == "node_lost":
             return (f"node {self.node_rank} ({self.address}) stopped responding (no heartbeat for "
-                    f"{self.time - self.since:.0f} s); waiting for it, or a launcher replacing it, to rejoin")
+                    f"{self.time - self.since:.0f} s)")
         return f"node {self.node_rank} ({self.address}) is responding again"
 
     def record(self, attempt: int) -> dict[str, Any]:
@@ -67,15 +69,16 @@ class NodeLostVerdict:
     attempt: int
     node: int
     address: str
-    since: float  # the lost node's last heartbeat (or the store's last answer): the ``node_lost`` phase starts there
+    since: float  # the lost node's last heartbeat: the ``node_lost`` phase starts there
     stopped: float
     ranks: list[int]
-    via_store: bool = False  # seen from a node other than 0: the store on node 0 stopped answering
+    told: str | None = None  # on another node than 0: node 0's reason, read from the store
 
     @property
     def reason(self) -> str:
-        how = "the rendezvous store there stopped answering" if self.via_store else "no heartbeat"
-        return (f"node {self.node} ({self.address}) stopped responding ({how} for {self.stopped - self.since:.0f} s) "
+        if self.told is not None:
+            return f"stopped by node 0: {self.told}"
+        return (f"node {self.node} ({self.address}) stopped responding (no heartbeat for {self.stopped - self.since:.0f} s) "
                 "while this node's ranks waited on it")
 
     def failure_records(self) -> list[dict[str, Any]]:
@@ -101,20 +104,25 @@ class PeerWatch:
         host, port: the rendezvous store (node 0's ``--main-address`` and ``--main-port``).
         job_id: keys are per job, so a relaunch into the same store is not confused with an earlier one.
         node_rank, num_nodes, address: this node, and the address the report names it by.
-        on_event: called from the heartbeat thread with each :class:`PeerEvent` (node 0 only).
+        on_event: node 0: called from the heartbeat thread with each :class:`PeerEvent`.
+        on_stop: other nodes: called from the heartbeat thread with ``(attempt, reason)`` once node 0 said it
+            stopped that attempt for a lost node (:meth:`announce_stop`).
     """
 
     def __init__(self, host: str, port: int, job_id: str, node_rank: int, num_nodes: int, address: str,
-                 on_event: Callable[[PeerEvent], None] | None = None, silent_s: float = SILENT_S) -> None:
+                 on_event: Callable[[PeerEvent], None] | None = None,
+                 on_stop: Callable[[int, str], None] | None = None, silent_s: float = SILENT_S) -> None:
         self.host, self.port = host, port
         self.prefix = f"{_PREFIX}/{job_id}"
         self.node_rank, self.num_nodes, self.address = node_rank, num_nodes, address
-        self.on_event = on_event
+        self.on_event, self.on_stop = on_event, on_stop
         self.silent_s = silent_s
+        self.attempt = -1  # the running attempt (the launcher sets it): a stop is for one attempt only
         self.peers = {n: _Peer() for n in range(num_nodes) if n != node_rank}
-        self.store_answered: float | None = None  # time.time() of the store's last answer
+        self._stops_seen: set[int] = set()
         self._stop = threading.Event()
         self._store: Any = None
+        self._fresh = True  # a new client: (re)state this node's address and clear an earlier launcher's "done"
         self._thread = threading.Thread(target=self._run, name="ett-peers", daemon=True)
 
     def start(self) -> PeerWatch:
@@ -129,19 +137,15 @@ class PeerWatch:
             _within(STORE_TIMEOUT_S, lambda: (self._store or self._connect()).set(f"{self.prefix}/done/{self.node_rank}", "1"))
 
     # ------------------------------------------------------------------ what the launcher asks
-    def lost_nodes(self) -> dict[int, str]:
-        """Node 0: nodes lost now (``node -> address``); other nodes: ``{0: address}`` while the store does not answer."""
-        if self.node_rank == 0:
-            return {n: p.address for n, p in self.peers.items() if p.lost}
-        if self.store_answered is not None and time.time() - self.store_answered >= self.silent_s:
-            return {0: self.host}
-        return {}
+    def lost(self) -> tuple[int, str, float] | None:
+        """Node 0: a node lost now, as ``(node, address, its last heartbeat)``; None when none is (or not node 0)."""
+        lost = [(n, p.address, p.changed) for n, p in sorted(self.peers.items()) if p.lost]
+        return lost[0] if lost and self.node_rank == 0 else None
 
-    def silent_since(self, node: int) -> float | None:
-        """When ``node`` was last heard (node 0's view of a peer; another node's view of node 0: the store)."""
-        if self.node_rank == 0:
-            return self.peers[node].changed if node in self.peers else None
-        return self.store_answered
+    def announce_stop(self, attempt: int, reason: str) -> None:
+        """Node 0 stopped ``attempt`` for a lost node: the other nodes stop theirs too (their ranks may wait, past the
+        outage, on peers that are gone: a partition swallows the connection resets)."""
+        _within(STORE_TIMEOUT_S, lambda: (self._store or self._connect()).set(f"{self.prefix}/stopped/{attempt}", reason))
 
     # ------------------------------------------------------------------ the thread
     def _connect(self) -> Any:
@@ -153,26 +157,39 @@ class PeerWatch:
                         wait_for_workers=False)
 
     def _run(self) -> None:
+        import torch.distributed  # noqa: F401 - imported here once, not inside a timed store operation
+
+        op: threading.Thread | None = None
         while not self._stop.is_set():
-            if not _within(STORE_TIMEOUT_S, self._beat):
-                self._store = None  # no store (not up yet, node 0 gone, the network down): a new client next time
+            if op is None or not op.is_alive():  # (one store operation at a time: never two looks racing)
+                op = _within(STORE_TIMEOUT_S, self._beat, on_failure=self._drop)
             self._stop.wait(HEARTBEAT_S)
+
+    def _drop(self) -> None:
+        self._store, self._fresh = None, True  # no store (not up yet, node 0 gone, the network down): a new client
 
     def _beat(self) -> None:
         if self._store is None:
             self._store = self._connect()
+        if self._fresh:
             self._store.set(f"{self.prefix}/address/{self.node_rank}", self.address)
+            self._store.delete_key(f"{self.prefix}/done/{self.node_rank}")  # a replacement of a node that ended
+            self._fresh = False
         self._store.add(f"{self.prefix}/beat/{self.node_rank}", 1)
-        self.store_answered = time.time()
         if self.node_rank == 0:
             self._look(self._store)
+        elif self.attempt >= 0 and self.attempt not in self._stops_seen \
+                and self._store.check([key := f"{self.prefix}/stopped/{self.attempt}"]):
+            self._stops_seen.add(self.attempt)
+            if self.on_stop is not None:
+                self.on_stop(self.attempt, self._store.get(key).decode())
 
     def _look(self, store: Any) -> None:
         now = time.time()
         for node, peer in self.peers.items():
             count = int(store.add(f"{self.prefix}/beat/{node}", 0))
             if count != peer.count:
-                if peer.count == 0 or peer.address == "?":
+                if peer.count == 0 or peer.lost:  # (a replacement may run on another host)
                     with contextlib.suppress(Exception):
                         peer.address = store.get(f"{self.prefix}/address/{node}").decode()
                 back = peer.lost
@@ -190,12 +207,12 @@ class PeerWatch:
                 self.on_event(event)
 
 
-def _within(seconds: float, op: Callable[[], Any]) -> bool:
-    """Run ``op`` in a thread of its own; False if it raised or had not returned after ``seconds``.
+def _within(seconds: float, op: Callable[[], Any], on_failure: Callable[[], None] | None = None) -> threading.Thread:
+    """Run ``op`` in a thread of its own and wait up to ``seconds``; ``on_failure`` if it raised or had not returned.
 
     A TCPStore client's ``add`` has no deadline of its own: across a partition it blocks until the link is
     back, and on the connection it used then, for good. A blocked call is left behind with its client (a
-    daemon thread, at most one per outage); the caller starts a new client.
+    daemon thread; the caller starts no other while it lives), and the caller makes a new client.
     """
     done: list[bool] = []
 
@@ -209,4 +226,6 @@ def _within(seconds: float, op: Callable[[], Any]) -> bool:
     thread = threading.Thread(target=run, name="ett-peers-op", daemon=True)
     thread.start()
     thread.join(seconds)
-    return bool(done and done[0])
+    if not (done and done[0]) and on_failure is not None:
+        on_failure()
+    return thread
