@@ -601,7 +601,13 @@ def _reachable(opts: LaunchOptions) -> LaunchOptions:
     (:mod:`lightning_ett.launch.network`). Only then is anything changed: a hostname that resolves to a
     real address keeps torch's and gloo's choices, and ``GLOO_SOCKET_IFNAME`` set by the user is left alone.
     """
-    if opts.num_nodes < 2 or opts.local_addr is not None:
+    if opts.num_nodes < 2:
+        return opts
+    from lightning_ett.launch.network import ENV_ONE_MACHINE, is_ip_literal, is_loopback
+
+    if is_ip_literal(opts.main_address) and is_loopback(opts.main_address):
+        os.environ[ENV_ONE_MACHINE] = "1"  # (a loopback IP: the workers' store check accepts a loopback store)
+    if opts.local_addr is not None:
         return opts
     from lightning_ett.launch.network import advertised_address, interface_with
 

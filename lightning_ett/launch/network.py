@@ -32,6 +32,8 @@ import time
 #: 30-minute process-group timeout). A refused connection is not a failure: the host answers, and
 #: rank 0 may not have opened its store yet.
 UNREACHABLE_TIMEOUT_S = 30.0
+#: Set by the launcher when --main-address is a loopback IP: every node runs on this machine.
+ENV_ONE_MACHINE = "LIGHTNING_ETT_NODES_ON_ONE_MACHINE"
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 _UNREACHABLE = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ETIMEDOUT, errno.EADDRNOTAVAIL}
 
@@ -50,7 +52,7 @@ def _all_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
-def _is_ip_literal(host: str) -> bool:
+def is_ip_literal(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
         return True
@@ -91,7 +93,7 @@ def advertised_address(main_address: str) -> tuple[str | None, str | None]:
     name that resolves to loopback here (Debian's ``127.0.1.1 <hostname>``), its outward address.
     """
     hostname = socket.getfqdn()
-    if not is_loopback(hostname) or (_is_ip_literal(main_address) and is_loopback(main_address)):
+    if not is_loopback(hostname) or (is_ip_literal(main_address) and is_loopback(main_address)):
         return None, None
     source = route_source(main_address)
     how = f"the address on the route to --main-address {main_address}"
@@ -149,8 +151,8 @@ def check_store_reachable(env: dict[str, str] | None = None, timeout_s: float = 
     env = dict(os.environ) if env is None else env
     host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT", "")
     if not host or not port.isdigit() or int(env.get("GROUP_WORLD_SIZE", "1")) < 2 \
-            or int(env.get("GROUP_RANK", "0")) == 0:
-        return
+            or int(env.get("GROUP_RANK", "0")) == 0 or env.get(ENV_ONE_MACHINE):
+        return  # (every node on one machine, meeting on loopback: loopback is right)
     fix = ("the node that hosts rank 0 advertised it to the rendezvous: pass each node's `lightning run` a --local-addr "
            "the other nodes can reach (its address on the network between the nodes), or make its hostname resolve to "
            "that address")
