@@ -127,7 +127,8 @@ def test_a_60s_partition_is_noticed_named_and_recovered_by_a_restart(two_hosts, 
     committed_before = {e.step for e in layout.committed(tmp_path / "ckpt")}  # nothing commits without node 1 now
     time.sleep(max(0.0, PARTITION_S - (time.monotonic() - down)))
     two_hosts.set_link(1, up=True)
-    job.wait_for_text(1, r"attempt 0 stopped by node 0: node 1", timeout=60)  # told once the link is back
+    # Node 1's ranks end either way once the link is back: stopped on node 0's word, or failing on the resets of
+    # node 0's stopped ranks, whichever comes first.
     assert job.wait(0, 300) == 0, job.output(0)[-4000:]
     assert job.wait(1, 60) == 0, job.output(1)[-4000:]
 
