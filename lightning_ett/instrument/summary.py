@@ -337,6 +337,7 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
     started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
     finished = _finished_by_launcher(launcher)
     stops = stopped_attempts(launcher)
+    ended_by_loss = _losses_that_ended_attempts(launcher)  # (once, not per attempt: it scans every record)
     failures: dict[int, list[dict[str, Any]]] = {}
     for r in launcher:
         if r.get("kind") == "failure":
@@ -348,7 +349,7 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
         if any("hang" in r and not r["hang"].get("ambiguous") for r in said):
             # Several nodes' watches each named a rank: the ones with evidence outrank the guesses.
             said = [r for r in said if not ("hang" in r and r["hang"].get("ambiguous"))]
-        lost = [r for r in _losses_that_ended_attempts(launcher) if r.get("attempt") == attempt]
+        lost = [r for r in ended_by_loss if r.get("attempt") == attempt]
         if said:
             failure = "; ".join(r["reason"] if "hang" in r or "node_lost" in r else f"rank {r['rank']} {r['reason']}"
                                 for r in said if r.get("root_cause", True))

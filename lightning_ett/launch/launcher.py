@@ -174,6 +174,7 @@ class LaunchRecorder:
         self.progress = (ProgressLine(opts.run_dir, opts.progress_every_s)
                          if opts.progress_every_s > 0 and opts.node_rank == 0 else None)
         self.writer = LedgerWriter(launcher_ledger_path(opts.run_dir, opts.node_rank))
+        self.address = opts.local_addr or _own_address(opts.main_address)  # this node's, as the report names it
         self._write_lock = threading.Lock()  # the peer watch's thread writes too
         self.peers: PeerWatch | None = None  # set by launch() in a multi-node job
         self._between_attempts = True  # no worker group running: after a failure, before the next start
@@ -183,7 +184,7 @@ class LaunchRecorder:
             "kind": "launch", "time": time.time(), "job_start": job_start, "node_rank": opts.node_rank,
             "num_nodes": opts.num_nodes, "devices": opts.devices, "max_restarts": opts.max_restarts,
             "first_attempt": self.first_attempt, "host": socket.gethostname(), "pid": os.getpid(),
-            "address": opts.local_addr or _own_address(opts.main_address),
+            "address": self.address,
             "argv": [opts.script, *opts.script_args],
         })
 
@@ -335,8 +336,8 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
         """torchrun's agent, telling the recorder when workers start and why they failed.
 
         With several nodes it also outlives an unreachable rendezvous store (a network partition): torch's
-        agent dies on the first ``RendezvousConnectionError``, here the peer watch decides what the outage
-        means (:meth:`LaunchRecorder._stop_if_peer_lost`) and the next rendezvous waits for the store.
+        agent dies on the first ``RendezvousConnectionError``, here the hang watch decides whether the
+        ranks are stalled (a lost node names the cause) and the next rendezvous waits while the store is unreachable.
         """
 
         def __init__(self, spec: Any, *args: Any, **kwargs: Any) -> None:
@@ -417,7 +418,7 @@ REJOIN_TIMEOUT_S = 600.0
 def _tolerate_unreachable_store(handler: Any) -> None:
     """While the workers run, torch's agent asks the store every monitor interval whether nodes wait to join, and dies
     on the first connection error. Here an unreachable store reads as "none waiting": the workers run on, and the
-    peer watch stops them if they wait on the unreachable node."""
+    hang watch stops them if they stall on the unreachable node."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     asked = handler.num_nodes_waiting
@@ -573,9 +574,8 @@ def launch(opts: LaunchOptions) -> int:
             service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
             recorder = LaunchRecorder(opts, job_start, service, token=sweeper.token)
             if opts.num_nodes > 1 and opts.main_port is not None:
-                address = opts.local_addr or _own_address(opts.main_address) or socket.gethostname()
                 recorder.peers = PeerWatch(opts.main_address, opts.main_port, opts.job_id, opts.node_rank,
-                                           opts.num_nodes, address, on_event=recorder.peer_event,
+                                           opts.num_nodes, recorder.address or socket.gethostname(), on_event=recorder.peer_event,
                                            on_stop=recorder.stopped_by_node0).start()
                 if recorder.watch is not None and opts.node_rank == 0:
                     recorder.watch.lost_node = recorder.peers.lost
@@ -603,14 +603,12 @@ def _reachable(opts: LaunchOptions) -> LaunchOptions:
     """
     if opts.num_nodes < 2:
         return opts
-    from lightning_ett.launch.network import ENV_ONE_MACHINE, is_ip_literal, is_loopback
+    from lightning_ett.launch.network import ENV_ONE_MACHINE, advertised_address, interface_with, is_ip_literal, is_loopback
 
     if is_ip_literal(opts.main_address) and is_loopback(opts.main_address):
         os.environ[ENV_ONE_MACHINE] = "1"  # (a loopback IP: the workers' store check accepts a loopback store)
     if opts.local_addr is not None:
         return opts
-    from lightning_ett.launch.network import advertised_address, interface_with
-
     address, why = advertised_address(opts.main_address)
     if address is None:
         return opts
