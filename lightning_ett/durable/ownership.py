@@ -14,6 +14,9 @@ atomically, so of two acquirers exactly one wins. A lock that exists belongs to:
   started when the lock says (a reused pid is another process) — the acquirer is refused;
 * a live owner on another host: it refreshes the lock's mtime every :data:`HEARTBEAT_S` from a
   daemon thread, and a lock whose mtime is older than :data:`STALE_AFTER_S` is stale;
+* an owner on another host that a peer saw die (:func:`declare_gone`: node 0's launcher, which
+  heard that node's heartbeat stop): taken over with a warning, without waiting for the lock to go
+  stale — a scheduler that replaces a lost node on another host starts its launcher within seconds;
 * no one alive: taken over with a warning. The lock is renamed to a unique name (one renamer
   gets it), checked to be the one judged stale (else put back), and the acquirer links its own.
 
@@ -280,7 +283,8 @@ class OwnerLock:
         if previous:
             return "it is this job's previous attempt", True
         if age_s < self.stale_after_s:
-            return None, False
+            gone = _declared_gone(self.path, current.token)
+            return (None, False) if gone is None else (gone, False)
         return f"no heartbeat for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s)", False
 
     def _set_aside(self, raw: bytes) -> bool:
@@ -305,6 +309,8 @@ class OwnerLock:
 
     def _held(self, me: Owner) -> None:
         self.owner = me
+        with contextlib.suppress(OSError):
+            _gone_marker(self.path).unlink()  # it named the owner taken over, never this one
         try:
             st = os.stat(self.path)
             self._identity = (st.st_dev, st.st_ino)
@@ -350,6 +356,45 @@ def _warn(message: str) -> None:
     warnings.warn(message, StaleOwnerWarning, stacklevel=3)
 
 
+def _gone_marker(lock: Path) -> Path:
+    return lock.with_name(lock.name + ".gone")
+
+
+def declare_gone(directory: str | os.PathLike, name: str, reason: str) -> Owner | None:
+    """Say that the owner lock ``name`` names now is gone, where only a peer can know it (its host died).
+
+    Its heartbeat may stay fresh for up to :data:`STALE_AFTER_S` on a shared filesystem; the next
+    acquirer takes over at once, but only from that very owner (the marker names its token). Returns
+    the owner declared gone, or ``None`` when there is no lock.
+    """
+    lock = Path(directory) / name
+    owner = read_owner(lock)
+    if owner is None:
+        return None
+    marker = _gone_marker(lock)
+    temp = marker.with_name(f"{marker.name}.{uuid.uuid4().hex}.tmp")
+    temp.write_text(json.dumps({"token": owner.token, "reason": reason}) + "\n")
+    os.replace(temp, marker)
+    return owner
+
+
+def withdraw_gone(directory: str | os.PathLike, name: str) -> None:
+    """Take back :func:`declare_gone`: the owner answered again (a partition healed)."""
+    with contextlib.suppress(FileNotFoundError):
+        _gone_marker(Path(directory) / name).unlink()
+
+
+def _declared_gone(lock: Path, token: str) -> str | None:
+    """Why a peer declared the owner holding ``token`` gone, or ``None`` if no one did."""
+    try:
+        raw = json.loads(_gone_marker(lock).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("token") != token:
+        return None
+    return f"a peer declared it gone: {raw.get('reason', 'no reason given')}"
+
+
 def read_owner(path: str | os.PathLike) -> Owner | None:
     """The owner a lock file names, or ``None`` (no lock, or unreadable)."""
     try:
@@ -359,4 +404,4 @@ def read_owner(path: str | os.PathLike) -> Owner | None:
 
 
 __all__ = ["CHECKPOINT_OWNER_FILE", "DirectoryInUseError", "Owner", "OwnerLock", "StaleOwnerWarning",
-           "read_owner", "run_dir_owner_file"]
+           "declare_gone", "read_owner", "run_dir_owner_file", "withdraw_gone"]

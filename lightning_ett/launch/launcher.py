@@ -50,7 +50,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lightning_ett.durable.ownership import DirectoryInUseError, OwnerLock, run_dir_owner_file
+from lightning_ett.durable.ownership import (
+    DirectoryInUseError,
+    OwnerLock,
+    declare_gone,
+    run_dir_owner_file,
+    withdraw_gone,
+)
 from lightning_ett.instrument.environment import (
     ENV_ATTEMPT,
     ENV_ATTEMPT_START,
@@ -197,6 +203,17 @@ class LaunchRecorder:
         waiting = event.kind == "node_lost" and self._between_attempts
         print(f"lightning run: {event.line()}" + (WAITING if waiting else ""), file=sys.stderr, flush=True)
         self._append(event.record(self.attempt))
+        # Its launcher's lock on its part of the run directory may look alive for a minute more: a replacement
+        # on another host takes over at once (only from that launcher; a healed partition takes it back).
+        lock = run_dir_owner_file(event.node_rank)
+        try:
+            if event.kind == "node_lost":
+                declare_gone(self.opts.run_dir, lock, event.line())
+            else:
+                withdraw_gone(self.opts.run_dir, lock)
+        except OSError as err:  # a shared filesystem's hiccup: a replacement then waits for the lock to go stale
+            print(f"lightning run: warning: could not record node {event.node_rank}'s loss in "
+                  f"{str(self.opts.run_dir)!r}: {err}", file=sys.stderr, flush=True)
 
     def stopped_by_node0(self, attempt: int, reason: str) -> None:
         """From the peer watch's thread (nodes other than 0): node 0 stopped ``attempt`` for a lost node. This node's

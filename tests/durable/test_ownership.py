@@ -21,7 +21,9 @@ from lightning_ett.durable.ownership import (
     Owner,
     OwnerLock,
     StaleOwnerWarning,
+    declare_gone,
     read_owner,
+    withdraw_gone,
 )
 from lightning_ett.durable.procfs import process_alive, process_start_ticks
 
@@ -121,6 +123,32 @@ def test_an_owner_on_another_host_lives_while_its_heartbeat_is_fresh(tmp_path):
     with pytest.warns(StaleOwnerWarning, match="no heartbeat for 90 s"):
         owner.acquire()
     owner.release()
+
+
+def test_an_owner_on_another_host_that_a_peer_declared_gone_is_taken_over_at_once(tmp_path):
+    # Node 1's host died with its heartbeat still fresh; node 0 heard its launcher stop and said so. A replacement
+    # started by the scheduler on another host must not wait out the 60 s staleness.
+    dead = plant(tmp_path, host="node-7", pid=4242, age_s=5)
+    assert declare_gone(tmp_path, LOCK, "node 1 (10.0.0.2) stopped responding") == dead
+    withdraw_gone(tmp_path, LOCK)  # it answered again (a partition healed): still alive, still refused
+    with pytest.raises(DirectoryInUseError, match="node-7"):
+        lock(tmp_path, stale_after_s=60).acquire()
+    declare_gone(tmp_path, LOCK, "node 1 (10.0.0.2) stopped responding")
+    owner = lock(tmp_path, stale_after_s=60)
+    with pytest.warns(StaleOwnerWarning, match=r"pid 4242 on host 'node-7'.*a peer declared it gone: node 1 \(10"):
+        assert owner.acquire() == dead
+    assert not (tmp_path / f"{LOCK}.gone").exists()  # it named the owner taken over, and is spent
+    owner.release()
+
+
+def test_a_declaration_names_one_owner_and_never_another(tmp_path):
+    plant(tmp_path, host="node-7", pid=4242, age_s=5)
+    declare_gone(tmp_path, LOCK, "node 1 stopped responding")
+    plant(tmp_path, host="node-8", pid=4343, age_s=5)  # a newer owner on another host since
+    with pytest.raises(DirectoryInUseError, match="node-8"):
+        lock(tmp_path, stale_after_s=60).acquire()
+    (tmp_path / LOCK).unlink()
+    assert declare_gone(tmp_path, LOCK, "no lock, nothing to declare") is None
 
 
 def test_the_previous_attempt_of_the_same_job_is_taken_over_quietly(tmp_path, recwarn):

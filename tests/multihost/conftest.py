@@ -51,10 +51,11 @@ class TwoHostJob:
     def log(self, node: int) -> Path:
         return self.tmp / f"node{node}.log"
 
-    def start(self, node: int, flags: Sequence[str] = ()) -> None:
-        """Start node ``node``'s launcher (again: a replacement appends to the same log)."""
+    def start(self, node: int, flags: Sequence[str] = (), spare: bool = False) -> None:
+        """Start node ``node``'s launcher (again: a replacement appends to the same log; ``spare``: on another
+        machine, in the per-host set-up)."""
         self.procs[node].append(self.hosts.start(node, self.argv(node, flags), self.log(node), clean_env(**self.env),
-                                                 cwd=self.tmp))
+                                                 cwd=self.tmp, spare=spare))
 
     def start_both(self) -> TwoHostJob:
         for node in (0, 1):

@@ -66,8 +66,9 @@ class TwoHosts:
     def address(self, host: int) -> str:
         return f"{self.subnet}.{host + 1}"
 
-    def hostname(self, host: int) -> str:
-        return f"ett-host{host}"
+    def hostname(self, host: int, spare: bool = False) -> str:
+        """``spare``: the name of a machine a scheduler puts in ``host``'s place, with its address (per-host set-up)."""
+        return f"ett-host{host}" + ("-spare" if spare else "")
 
     # ------------------------------------------------------------------ set-up and tear-down
     def create(self) -> None:
@@ -83,7 +84,7 @@ class TwoHosts:
                 etc = NETNS_ETC / name
                 etc.mkdir(parents=True, exist_ok=True)
                 (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
-                    f"{self.address(h)} {self.hostname(h)}\n" for h in (0, 1)))
+                    f"{self.address(h)} {self.hostname(h)} {self.hostname(h, spare=True)}\n" for h in (0, 1)))
 
     def destroy(self) -> None:
         """Every process on both hosts, then the namespaces and their files (also after a failed test)."""
@@ -97,17 +98,22 @@ class TwoHosts:
             shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
 
     # ------------------------------------------------------------------ processes
-    def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` as run on ``host`` (its network namespace, and its own hostname in the per-host set-up)."""
+    def command(self, host: int, argv: Sequence[str], spare: bool = False) -> list[str]:
+        """``argv`` as run on ``host`` (its network namespace, and its own hostname in the per-host set-up; ``spare``:
+        the replacement machine's)."""
         prefix = ["ip", "netns", "exec", self.names[host]]
         if self.hostnames == "per_host":
-            prefix += ["unshare", "--uts", "sh", "-c", f'hostname {self.hostname(host)} && exec "$@"', "sh"]
+            name = self.hostname(host, spare)
+            prefix += ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec "$@"', "sh"]
+        elif spare:
+            raise ValueError("a spare machine needs hostnames='per_host'")
         return [*prefix, *argv]
 
-    def start(self, host: int, argv: Sequence[str], log: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    def start(self, host: int, argv: Sequence[str], log: Path, env: dict[str, str], cwd: Path,
+              spare: bool = False) -> subprocess.Popen:
         """Start ``argv`` on ``host`` in a new session, its output in ``log``."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(self.command(host, argv), env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(self.command(host, argv, spare), env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs.append(proc)
         return proc

@@ -86,7 +86,9 @@ def test_a_worker_killed_on_node_1_restarts_both_nodes_from_the_newest_checkpoin
     assert "advertising" not in job.output(0) if two_hosts.hostnames == "per_host" else True
 
 
-def test_node_1_dies_whole_node_0_says_so_and_a_replacement_finishes_the_job(two_hosts, tmp_path):
+@pytest.mark.parametrize("two_hosts, spare", [("loopback", False), ("per_host", True)], indirect=["two_hosts"],
+                         ids=["replaced-on-its-host", "replaced-by-another-machine"])
+def test_node_1_dies_whole_node_0_says_so_and_a_replacement_finishes_the_job(two_hosts, tmp_path, spare):
     job = TwoHostJob(two_hosts, tmp_path, _ett_job(tmp_path, 60, 0.1), ["--max-restarts", "2"]).start_both()
     job.wait_for_steps(15)
     killed = time.monotonic()
@@ -96,7 +98,9 @@ def test_node_1_dies_whole_node_0_says_so_and_a_replacement_finishes_the_job(two
     noticed = time.monotonic() - killed
     assert noticed <= NOTICE_WITHIN_S, noticed
     assert "waiting for it, or a launcher replacing it, to rejoin" in job.output(0)
-    job.start(1)  # the scheduler's replacement, on the same host
+    # The scheduler's replacement: on the same host, or on another machine (its own hostname) while the dead launcher's
+    # lock on node 1's part of the run directory still looks fresh (its heartbeat stopped < 60 s ago).
+    job.start(1, spare=spare)
     assert job.wait(0, 300) == 0, job.output(0)[-4000:]
     assert job.wait(1, 60) == 0, job.output(1)[-4000:]
 
@@ -110,6 +114,8 @@ def test_node_1_dies_whole_node_0_says_so_and_a_replacement_finishes_the_job(two
     assert s.phases["node_lost"] > s.phases["launch"]
     assert s.lost_s > 0  # steps after the checkpoint ran twice
     assert "node 1" in (tmp_path / "run" / "ett_summary.json").read_text()
+    if spare:
+        assert "a peer declared it gone: node 1" in job.output(1)  # it took over node 1's lock, and said so
 
 
 def test_a_60s_partition_is_noticed_named_and_recovered_by_a_restart(two_hosts, tmp_path):
