@@ -14,9 +14,13 @@ atomically, so of two acquirers exactly one wins. A lock that exists belongs to:
   started when the lock says (a reused pid is another process) — the acquirer is refused;
 * a live owner on another host: it refreshes the lock's mtime every :data:`HEARTBEAT_S` from a
   daemon thread, and a lock whose mtime is older than :data:`STALE_AFTER_S` is stale;
-* an owner on another host that a peer saw die (:func:`declare_gone`: node 0's launcher, which
-  heard that node's heartbeat stop): taken over with a warning, without waiting for the lock to go
-  stale — a scheduler that replaces a lost node on another host starts its launcher within seconds;
+* an owner on another host that a peer declared gone (:func:`declare_gone`: node 0's launcher,
+  which heard that node's heartbeat stop) and whose lock has not been refreshed for two heartbeats
+  (:attr:`OwnerLock.gone_after_s`, 20 s): taken over with a warning, without waiting out the 60 s —
+  a scheduler replaces a lost node on another host within seconds. An acquirer that finds such a
+  lock younger than that waits for it once. An owner the peer only lost touch with (a partition
+  between the nodes, not between the node and the file server) keeps refreshing its lock and is
+  refused to every acquirer, declared or not;
 * no one alive: taken over with a warning. The lock is renamed to a unique name (one renamer
   gets it), checked to be the one judged stale (else put back), and the acquirer links its own.
 
@@ -139,6 +143,8 @@ class OwnerLock:
             live process on this host). Its heartbeat may still look fresh when rank 0 moved hosts.
         on_takeover: called with a sentence when a stale owner is taken over (default: a
             :class:`StaleOwnerWarning`).
+        heartbeat_s, stale_after_s: how often the owner refreshes its lock, and how long an unrefreshed lock
+            on another host is still alive; one declared gone is alive for ``2 * heartbeat_s``.
     """
 
     def __init__(self, directory: str | os.PathLike, name: str, job_id: str, attempt: int | None = None,
@@ -156,6 +162,7 @@ class OwnerLock:
         self.earlier_attempts_are_stopped = earlier_attempts_are_stopped
         self.on_takeover = on_takeover or _warn
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.gone_after_s = min(2 * heartbeat_s, stale_after_s)
         self.owner: Owner | None = None  # set while held
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of our lock file
         self._stop = threading.Event()
@@ -183,6 +190,7 @@ class OwnerLock:
     def _acquire(self, me: Owner) -> Owner | None:
         data = me.to_bytes()
         taken_over: Owner | None = None
+        waited = False
         for _ in range(_RETRIES):
             if self._create(data):
                 self._held(me)
@@ -200,6 +208,11 @@ class OwnerLock:
             else:
                 reason, quiet = self._judge(current, me, age_s)
                 if reason is None:
+                    wait_s = self._until_gone(current, me, age_s)
+                    if wait_s is not None and not waited:  # declared gone moments ago: its heartbeat may still be late
+                        waited = True
+                        time.sleep(wait_s)
+                        continue
                     raise DirectoryInUseError(self._refusal(current, me, age_s))
             if self._set_aside(raw):
                 taken_over = current
@@ -223,6 +236,8 @@ class OwnerLock:
         if seen is not None and Owner.parse(seen[0]) == owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        if _declared_gone(self.path, owner.token) is not None:  # it was alive after all (e.g. a partition healed)
+            withdraw_gone(self.directory, self.path.name)
 
     # ------------------------------------------------------------------ the steps
     def _create(self, data: bytes) -> bool:
@@ -283,9 +298,15 @@ class OwnerLock:
         if previous:
             return "it is this job's previous attempt", True
         if age_s < self.stale_after_s:
-            gone = _declared_gone(self.path, current.token)
-            return (None, False) if gone is None else (gone, False)
+            gone = _declared_gone(self.path, current.token) if age_s >= self.gone_after_s else None
+            return gone, False
         return f"no heartbeat for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s)", False
+
+    def _until_gone(self, current: Owner, me: Owner, age_s: float) -> float | None:
+        """Seconds until a live-looking owner on another host that a peer declared gone may be taken over."""
+        if current.same_host(me) or age_s >= self.gone_after_s or _declared_gone(self.path, current.token) is None:
+            return None
+        return self.gone_after_s - max(age_s, 0.0) + 0.5
 
     def _set_aside(self, raw: bytes) -> bool:
         """Rename the stale lock out of the way; False if what was renamed was not it (then it is put back)."""
@@ -341,7 +362,8 @@ class OwnerLock:
         text = (f"{self.what} is in use by {current.describe()}, which is {alive}. Two owners would write "
                 f"into each other's files. {self.fix}".rstrip())
         return (f"{text} (Its lock: {str(self.path)!r}; once that process is gone it is taken over, on another host "
-                f"{self.stale_after_s:.0f} s after its last heartbeat.)")
+                f"{self.stale_after_s:.0f} s after its last heartbeat, or {self.gone_after_s:.0f} s after it once a "
+                "peer declared it gone: a multi-node job's node 0 does when that node stops responding.)")
 
 
 def _linked_anyway(temp: Path) -> bool:
@@ -360,20 +382,23 @@ def _gone_marker(lock: Path) -> Path:
     return lock.with_name(lock.name + ".gone")
 
 
-def declare_gone(directory: str | os.PathLike, name: str, reason: str) -> Owner | None:
-    """Say that the owner lock ``name`` names now is gone, where only a peer can know it (its host died).
+def declare_gone(directory: str | os.PathLike, name: str, token: str, reason: str) -> Owner | None:
+    """Say that the owner holding lock ``name`` with ``token`` is gone, where only a peer can know it (its host died).
 
-    Its heartbeat may stay fresh for up to :data:`STALE_AFTER_S` on a shared filesystem; the next
-    acquirer takes over at once, but only from that very owner (the marker names its token). Returns
-    the owner declared gone, or ``None`` when there is no lock.
+    Its lock looks alive for up to :data:`STALE_AFTER_S` after its last heartbeat; declared, it may be
+    taken over :attr:`OwnerLock.gone_after_s` after it — only that owner (a lock that names another
+    token, e.g. a replacement's that already took over, is left alone), and only while it stays silent.
+    Returns the owner declared gone, or ``None`` when the lock does not name ``token``.
+
+    Standard library only, and the marker is written whole (a temp file renamed over it).
     """
     lock = Path(directory) / name
     owner = read_owner(lock)
-    if owner is None:
+    if owner is None or owner.token != token:
         return None
     marker = _gone_marker(lock)
     temp = marker.with_name(f"{marker.name}.{uuid.uuid4().hex}.tmp")
-    temp.write_text(json.dumps({"token": owner.token, "reason": reason}) + "\n")
+    temp.write_text(json.dumps({"token": token, "reason": reason, "declared": time.time()}) + "\n")
     os.replace(temp, marker)
     return owner
 

@@ -200,20 +200,27 @@ class LaunchRecorder:
 
     def peer_event(self, event: PeerEvent) -> None:
         """From the peer watch's thread: a node lost or back, said once on the console and in the ledger."""
+        self._declare(event)  # first: a scheduler may start a replacement as soon as it reads the line below
         waiting = event.kind == "node_lost" and self._between_attempts
         print(f"lightning run: {event.line()}" + (WAITING if waiting else ""), file=sys.stderr, flush=True)
         self._append(event.record(self.attempt))
-        # Its launcher's lock on its part of the run directory may look alive for a minute more: a replacement
-        # on another host takes over at once (only from that launcher; a healed partition takes it back).
+
+    def _declare(self, event: PeerEvent) -> None:
+        """A lost node's launcher's lock on its part of the run directory looks alive for a minute more: declared
+        gone, a replacement on another host takes it over once it is 20 s silent (only that launcher's lock, and
+        only while it stays silent); a node back takes the declaration back."""
         lock = run_dir_owner_file(event.node_rank)
         try:
-            if event.kind == "node_lost":
-                declare_gone(self.opts.run_dir, lock, event.line())
-            else:
+            if event.kind == "node_lost" and event.owner_token:
+                declare_gone(self.opts.run_dir, lock, event.owner_token, event.line())
+            elif event.kind == "node_back":
                 withdraw_gone(self.opts.run_dir, lock)
-        except OSError as err:  # a shared filesystem's hiccup: a replacement then waits for the lock to go stale
-            print(f"lightning run: warning: could not record node {event.node_rank}'s loss in "
-                  f"{str(self.opts.run_dir)!r}: {err}", file=sys.stderr, flush=True)
+        except OSError as err:
+            effect = ("a replacement on another host is refused until that lock is 60 s stale"
+                      if event.kind == "node_lost" else "a replacement started while it stays silent may take it over")
+            print(f"lightning run: warning: could not record in {str(self.opts.run_dir)!r} that node {event.node_rank} "
+                  f"{'stopped responding' if event.kind == 'node_lost' else 'is back'} ({err}): {effect}.",
+                  file=sys.stderr, flush=True)
 
     def stopped_by_node0(self, attempt: int, reason: str) -> None:
         """From the peer watch's thread (nodes other than 0): node 0 stopped ``attempt`` for a lost node. This node's
@@ -593,7 +600,8 @@ def launch(opts: LaunchOptions) -> int:
             if opts.num_nodes > 1 and opts.main_port is not None:
                 recorder.peers = PeerWatch(opts.main_address, opts.main_port, opts.job_id, opts.node_rank,
                                            opts.num_nodes, recorder.address or socket.gethostname(), on_event=recorder.peer_event,
-                                           on_stop=recorder.stopped_by_node0).start()
+                                           on_stop=recorder.stopped_by_node0,
+                                           owner_token=owner.owner.token if owner.owner else None).start()
                 if recorder.watch is not None and opts.node_rank == 0:
                     recorder.watch.lost_node = recorder.peers.lost
             try:

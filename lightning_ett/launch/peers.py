@@ -50,6 +50,7 @@ class PeerEvent:
     address: str
     since: float  # node_lost: the last heartbeat seen; node_back: the first one again
     time: float
+    owner_token: str | None = None  # the token of that node's launcher's run-directory lock, as it published it
 
     def line(self) -> str:
         if self.kind == "node_lost":
@@ -93,6 +94,7 @@ class NodeLostVerdict:
 class _Peer:
     count: int = 0
     address: str = "?"
+    owner_token: str | None = None
     changed: float = 0.0  # time.time() of the last change seen
     lost: bool = False
 
@@ -104,6 +106,8 @@ class PeerWatch:
         host, port: the rendezvous store (node 0's ``--main-address`` and ``--main-port``).
         job_id: keys are per job, so a relaunch into the same store is not confused with an earlier one.
         node_rank, num_nodes, address: this node, and the address the report names it by.
+        owner_token: the token of this launcher's lock on its part of the run directory, which node 0 declares gone
+            when this node stops responding (:func:`lightning_ett.durable.ownership.declare_gone`).
         on_event: node 0: called from the heartbeat thread with each :class:`PeerEvent`.
         on_stop: other nodes: called from the heartbeat thread with ``(attempt, reason)`` once node 0 said it
             stopped that attempt for a lost node (:meth:`announce_stop`).
@@ -111,10 +115,12 @@ class PeerWatch:
 
     def __init__(self, host: str, port: int, job_id: str, node_rank: int, num_nodes: int, address: str,
                  on_event: Callable[[PeerEvent], None] | None = None,
-                 on_stop: Callable[[int, str], None] | None = None, silent_s: float = SILENT_S) -> None:
+                 on_stop: Callable[[int, str], None] | None = None, silent_s: float = SILENT_S,
+                 owner_token: str | None = None) -> None:
         self.host, self.port = host, port
         self.prefix = f"{_PREFIX}/{job_id}"
         self.node_rank, self.num_nodes, self.address = node_rank, num_nodes, address
+        self.owner_token = owner_token
         self.on_event, self.on_stop = on_event, on_stop
         self.silent_s = silent_s
         self.attempt = -1  # the running attempt (the launcher sets it): a stop is for one attempt only
@@ -173,6 +179,7 @@ class PeerWatch:
             self._store = self._connect()
         if self._fresh:
             self._store.set(f"{self.prefix}/address/{self.node_rank}", self.address)
+            self._store.set(f"{self.prefix}/owner/{self.node_rank}", self.owner_token or "")
             self._store.delete_key(f"{self.prefix}/done/{self.node_rank}")  # a replacement of a node that ended
             self._fresh = False
         self._store.add(f"{self.prefix}/beat/{self.node_rank}", 1)
@@ -192,14 +199,15 @@ class PeerWatch:
                 if peer.count == 0 or peer.lost:  # (a replacement may run on another host)
                     with contextlib.suppress(Exception):
                         peer.address = store.get(f"{self.prefix}/address/{node}").decode()
+                        peer.owner_token = store.get(f"{self.prefix}/owner/{node}").decode() or None
                 back = peer.lost
                 peer.count, peer.changed, peer.lost = count, now, False
                 if back:
-                    self._said(PeerEvent("node_back", node, peer.address, now, now))
+                    self._said(PeerEvent("node_back", node, peer.address, now, now, peer.owner_token))
             elif peer.count and not peer.lost and now - peer.changed >= self.silent_s \
                     and not store.check([f"{self.prefix}/done/{node}"]):
                 peer.lost = True
-                self._said(PeerEvent("node_lost", node, peer.address, peer.changed, now))
+                self._said(PeerEvent("node_lost", node, peer.address, peer.changed, now, peer.owner_token))
 
     def _said(self, event: PeerEvent) -> None:
         if self.on_event is not None:

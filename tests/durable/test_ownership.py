@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import replace
@@ -125,15 +126,13 @@ def test_an_owner_on_another_host_lives_while_its_heartbeat_is_fresh(tmp_path):
     owner.release()
 
 
-def test_an_owner_on_another_host_that_a_peer_declared_gone_is_taken_over_at_once(tmp_path):
-    # Node 1's host died with its heartbeat still fresh; node 0 heard its launcher stop and said so. A replacement
-    # started by the scheduler on another host must not wait out the 60 s staleness.
-    dead = plant(tmp_path, host="node-7", pid=4242, age_s=5)
-    assert declare_gone(tmp_path, LOCK, "node 1 (10.0.0.2) stopped responding") == dead
-    withdraw_gone(tmp_path, LOCK)  # it answered again (a partition healed): still alive, still refused
-    with pytest.raises(DirectoryInUseError, match="node-7"):
-        lock(tmp_path, stale_after_s=60).acquire()
-    declare_gone(tmp_path, LOCK, "node 1 (10.0.0.2) stopped responding")
+def test_an_owner_on_another_host_that_a_peer_declared_gone_is_taken_over_after_two_heartbeats(tmp_path):
+    # Node 1's host died; node 0 heard its launcher stop and said so. A replacement the scheduler starts on another
+    # host must not wait out the 60 s staleness: 20 s of silence (two missed heartbeats) is enough once declared.
+    dead = plant(tmp_path, host="node-7", pid=4242, age_s=25)
+    with pytest.raises(DirectoryInUseError, match="node-7.*or 20 s after it once a peer declared it gone"):
+        lock(tmp_path, stale_after_s=60).acquire()  # not declared: alive until 60 s
+    assert declare_gone(tmp_path, LOCK, dead.token, "node 1 (10.0.0.2) stopped responding") == dead
     owner = lock(tmp_path, stale_after_s=60)
     with pytest.warns(StaleOwnerWarning, match=r"pid 4242 on host 'node-7'.*a peer declared it gone: node 1 \(10"):
         assert owner.acquire() == dead
@@ -141,14 +140,43 @@ def test_an_owner_on_another_host_that_a_peer_declared_gone_is_taken_over_at_onc
     owner.release()
 
 
+def test_a_declared_owner_that_keeps_its_heartbeat_is_never_taken_over(tmp_path):
+    # A partition between the nodes, not between node 1 and the file server: node 0 declared node 1 gone, but node
+    # 1's launcher lives and refreshes its lock. Every acquirer is refused, after waiting once for the heartbeat.
+    alive = plant(tmp_path, host="node-7", pid=4242, age_s=15)
+    declare_gone(tmp_path, LOCK, alive.token, "node 1 stopped responding")
+    refresher = threading.Timer(2.0, lambda: os.utime(tmp_path / LOCK))  # its next heartbeat, 17 s after the last
+    refresher.start()
+    started = time.monotonic()
+    with pytest.raises(DirectoryInUseError, match="node-7"):
+        lock(tmp_path, heartbeat_s=10, stale_after_s=60).acquire()
+    refresher.join()
+    assert 5.0 <= time.monotonic() - started < 8.0  # it waited until the lock would have been 20 s silent
+    withdraw_gone(tmp_path, LOCK)  # it answered node 0 again (the partition healed)
+    os.utime(tmp_path / LOCK, (time.time() - 25, time.time() - 25))
+    with pytest.raises(DirectoryInUseError, match="node-7"):
+        lock(tmp_path, stale_after_s=60).acquire()  # 25 s silent but no longer declared: alive until 60 s
+
+
 def test_a_declaration_names_one_owner_and_never_another(tmp_path):
-    plant(tmp_path, host="node-7", pid=4242, age_s=5)
-    declare_gone(tmp_path, LOCK, "node 1 stopped responding")
-    plant(tmp_path, host="node-8", pid=4343, age_s=5)  # a newer owner on another host since
-    with pytest.raises(DirectoryInUseError, match="node-8"):
+    dead = plant(tmp_path, host="node-7", pid=4242, age_s=25)
+    replacement = plant(tmp_path, host="node-8", pid=4343, age_s=25)  # took the lock before node 0 noticed the loss
+    assert declare_gone(tmp_path, LOCK, dead.token, "node 1 stopped responding") is None  # nothing to declare
+    assert not (tmp_path / f"{LOCK}.gone").exists()
+    declare_gone(tmp_path, LOCK, replacement.token, "node 1 stopped responding")
+    plant(tmp_path, host="node-9", pid=4444, age_s=25)  # yet another owner since: the declaration is not about it
+    with pytest.raises(DirectoryInUseError, match="node-9"):
         lock(tmp_path, stale_after_s=60).acquire()
     (tmp_path / LOCK).unlink()
-    assert declare_gone(tmp_path, LOCK, "no lock, nothing to declare") is None
+    assert declare_gone(tmp_path, LOCK, replacement.token, "no lock") is None
+
+
+def test_an_owner_declared_gone_that_releases_takes_the_declaration_back(tmp_path):
+    owner = lock(tmp_path)
+    owner.acquire()
+    declare_gone(tmp_path, LOCK, owner.owner.token, "node 1 stopped responding")
+    owner.release()
+    assert not list(tmp_path.iterdir())  # neither its lock nor a declaration about it is left
 
 
 def test_the_previous_attempt_of_the_same_job_is_taken_over_quietly(tmp_path, recwarn):
