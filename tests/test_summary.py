@@ -70,3 +70,22 @@ def test_job_phases_are_the_mean_over_ranks_and_sum_to_wall():
 def test_empty_ledger_is_an_error():
     with pytest.raises(ValueError, match="no events"):
         summarize([RankLedger(attempt=0, rank=0)])
+
+
+def test_a_failure_naming_another_nodes_address_names_that_node():
+    # Node 1 died and its replacement rejoined before node 0 called it lost: rank 0's error is all that is left.
+    launcher = [
+        {"kind": "launch", "time": 0.0, "node_rank": 0, "address": "10.231.7.1"},
+        {"kind": "launch", "time": 0.1, "node_rank": 1, "address": "10.231.7.2"},
+        {"kind": "attempt", "attempt": 0, "time": 0.5, "node_rank": 0},
+        {"kind": "failure", "attempt": 0, "time": 4.0, "rank": 0, "exitcode": 1, "root_cause": True,
+         "reason": "exit code 1: RuntimeError: Read error [10.231.7.2]:58518: Connection reset by peer"},
+    ]
+    s = summarize([ledger(0, 0, [("train", 1.0, 2.0, 0)], job_start=0.0)], launcher=launcher)
+    assert s.attempts[0].failure.endswith("Connection reset by peer (10.231.7.2 is node 1)")
+    one_node = [r for r in launcher if r.get("node_rank") != 1]
+    s = summarize([ledger(0, 0, [("train", 1.0, 2.0, 0)], job_start=0.0)], launcher=one_node)
+    assert s.attempts[0].failure.endswith("Connection reset by peer")  # one node: nothing to tell apart
+    launcher[-1]["reason"] = "exit code 1: RuntimeError: Read error [10.231.7.20]:58518"
+    s = summarize([ledger(0, 0, [("train", 1.0, 2.0, 0)], job_start=0.0)], launcher=launcher)
+    assert s.attempts[0].failure.endswith("[10.231.7.20]:58518")  # another address, however alike

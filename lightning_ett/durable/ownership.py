@@ -169,9 +169,12 @@ class OwnerLock:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ acquire / release
-    def acquire(self) -> Owner | None:
+    def acquire(self, patience_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> Owner | None:
         """Own the directory, or raise :class:`DirectoryInUseError` naming its live owner.
 
+        ``patience_s``: how long an owner on another host that looks alive is given to be declared gone
+        (:func:`declare_gone`) or to go stale before the refusal — a replacement for a lost node started
+        before its peers noticed the loss; ``on_wait`` is told once, with a sentence, that it waits.
         Returns the stale owner that was taken over, if any.
         """
         if self.owner is not None:
@@ -181,17 +184,19 @@ class OwnerLock:
         with _held_lock:
             _held.add(me.token)  # before it exists: another thread of this process must not judge it abandoned
         try:
-            return self._acquire(me)
+            return self._acquire(me, time.monotonic() + patience_s, on_wait)
         except BaseException:
             with _held_lock:
                 _held.discard(me.token)
             raise
 
-    def _acquire(self, me: Owner) -> Owner | None:
+    def _acquire(self, me: Owner, patient_until: float, on_wait: Callable[[str], None] | None) -> Owner | None:
         data = me.to_bytes()
         taken_over: Owner | None = None
-        waited = False
-        for _ in range(_RETRIES):
+        waited = told = False
+        tries = 0
+        while tries < _RETRIES:
+            tries += 1
             if self._create(data):
                 self._held(me)
                 return taken_over
@@ -212,6 +217,15 @@ class OwnerLock:
                     if wait_s is not None and not waited:  # declared gone moments ago: its heartbeat may still be late
                         waited = True
                         time.sleep(wait_s)
+                        continue
+                    if wait_s is None and not current.same_host(me) and time.monotonic() + 1.0 < patient_until:
+                        if not told and on_wait is not None:
+                            told = True
+                            on_wait(f"{self.what} is held by {current.describe()}, its last heartbeat {max(age_s, 0):.0f} s "
+                                    f"ago; waiting up to {patient_until - time.monotonic():.0f} s for it to be declared "
+                                    "gone or to go stale")
+                        tries -= 1
+                        time.sleep(1.0)
                         continue
                     raise DirectoryInUseError(self._refusal(current, me, age_s))
             if self._set_aside(raw):
@@ -358,7 +372,8 @@ class OwnerLock:
                 continue  # a transient error of a network filesystem: the next beat tries again
 
     def _refusal(self, current: Owner, me: Owner, age_s: float) -> str:
-        alive = "alive" if current.same_host(me) else f"alive: its last heartbeat was {max(age_s, 0):.0f} s ago"
+        alive = "alive" if current.same_host(me) else (f"alive or gone for less than {self.stale_after_s:.0f} s: its "
+                                                       f"last heartbeat was {max(age_s, 0):.0f} s ago")
         text = (f"{self.what} is in use by {current.describe()}, which is {alive}. Two owners would write "
                 f"into each other's files. {self.fix}".rstrip())
         return (f"{text} (Its lock: {str(self.path)!r}; once that process is gone it is taken over, on another host "

@@ -1,7 +1,8 @@
 """The straggler diagnosis as the summary and the report state it, from rank 0's ``straggler`` facts.
 
 Each fact is one window's verdict (written by :mod:`lightning_ett.watch.stragglers` through
-``Timeline.fact``): ``step``, ``scores`` (seconds per step the other ranks waited for each rank),
+``Timeline.fact``): ``step``, ``scores`` (seconds per training batch the other ranks waited for each
+rank; a batch is a micro-batch under gradient accumulation),
 ``straggler`` (a rank or ``None``), ``score_s``, ``side`` (``data`` or ``compute``),
 ``threshold_s``, ``batches``. Waiting for a straggler is slow training, not lifecycle overhead: it
 stays ``train`` time, and this is a diagnosis next to the ETT%, never a phase.
@@ -74,6 +75,6 @@ def straggler_line(digest: dict[str, Any] | None) -> str | None:
     if not digest or not digest.get("worst") or digest["worst"].get("streak", 0) < WARN_AFTER_WINDOWS:
         return None
     w = digest["worst"]
-    return (f"straggler: rank {w['rank']}, others waited {1000 * w['score_s']:.0f} ms/step ({w['side']} side); "
+    return (f"straggler: rank {w['rank']}, others waited {1000 * w['score_s']:.0f} ms/batch ({w['side']} side); "
             f"named in {w['windows']} of {digest['windows']} windows (steps {w['first_step']}..{w['last_step']}); "
             "a diagnosis: the waiting stays in train time")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,11 +334,23 @@ def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
     return finished
 
 
+def _with_nodes_named(failure: str, node_addresses: dict[str, int]) -> str:
+    """``failure`` with the nodes whose addresses it names (``Connection reset by peer [10.0.0.2]:5851``) said, in a
+    job of several nodes: a node that died and was replaced before node 0 called it lost is otherwise unnamed."""
+    if len(set(node_addresses.values())) < 2:
+        return failure
+    named = [f"{address} is node {node}" for address, node in sorted(node_addresses.items(), key=lambda kv: kv[1])
+             if re.search(rf"(?<![\d.]){re.escape(address)}(?![\d])", failure)]
+    return f"{failure} ({'; '.join(named)})" if named else failure
+
+
 def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list[AttemptInfo]:
     started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
     finished = _finished_by_launcher(launcher)
     stops = stopped_attempts(launcher)
     ended_by_loss = _losses_that_ended_attempts(launcher)  # (once, not per attempt: it scans every record)
+    node_addresses = {r["address"]: int(r["node_rank"]) for r in launcher
+                      if r.get("kind") == "launch" and r.get("address") and r.get("node_rank") is not None}
     failures: dict[int, list[dict[str, Any]]] = {}
     for r in launcher:
         if r.get("kind") == "failure":
@@ -356,6 +369,8 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
             if lost and not any("node_lost" in r for r in said):  # its ranks failed first ("Connection reset by peer")
                 failure = "; ".join(f"node {r['node_rank']} ({r['address']}) stopped responding" for r in lost) \
                     + f" (first error: {failure})"
+            elif not lost:
+                failure = _with_nodes_named(failure, node_addresses)  # a peer gone too briefly to be called lost
         else:
             failure = "; ".join(f"rank {lg.rank} {lg.reason}" for lg in group if lg.status == "failed" and lg.reason) or None
         stopped = stops.get(attempt) or ("stopped (SIGTERM)" if group and all(lg.status == "stopped" for lg in group)

@@ -391,6 +391,12 @@ def _recording_agent_class(recorder: LaunchRecorder) -> type:
                               file=sys.stderr, flush=True)
                     time.sleep(2.0)
 
+        def _invoke_run(self, role: str = "default") -> RunResult:
+            result = super()._invoke_run(role)
+            if recorder.peers is not None:  # before the agent shuts node 0's store: a heartbeat would fail loudly (C++)
+                recorder.peers.close(finished=True)
+            return result
+
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             env = recorder.starting_workers()
             if recorder.opts.preload:
@@ -562,6 +568,12 @@ def torchrun_argv(opts: LaunchOptions) -> list[str]:
     ]
 
 
+#: How long a node's launcher waits for the lock of a launcher on another host that looks alive: node 0 declares a
+#: dead node's launcher gone within SILENT_S + HEARTBEAT_S + 1 s of its death, and its lock may then be taken over once
+#: it is 20 s silent (two of its heartbeats), at most ~20 s after the death.
+REPLACEMENT_PATIENCE_S = 30.0
+
+
 def launch(opts: LaunchOptions) -> int:
     """Run the job to its end (restarting it up to ``max_restarts`` times); return the exit code.
 
@@ -570,12 +582,17 @@ def launch(opts: LaunchOptions) -> int:
     """
     job_start = float(os.environ.get(ENV_JOB_START, process_start_time()))
     opts.run_dir.mkdir(parents=True, exist_ok=True)
+    several = opts.num_nodes > 1
     owner = OwnerLock(opts.run_dir, run_dir_owner_file(opts.node_rank), opts.job_id,
                       what=f"--run-dir {str(opts.run_dir)!r} (node {opts.node_rank})",
                       fix="Wait for that job to end or stop it (its workers die with its launcher), or pass another "
-                      "--run-dir.", on_takeover=lambda said: print(f"lightning run: warning: {said}", file=sys.stderr))
+                      "--run-dir." + (f" If node {opts.node_rank} was lost and this replaces it, start it again once "
+                                      "node 0 has said that node stopped responding." if several else ""),
+                      on_takeover=lambda said: print(f"lightning run: warning: {said}", file=sys.stderr))
     try:
-        owner.acquire()
+        # A replacement for a lost node may start before node 0 has noticed the loss: it waits for that.
+        owner.acquire(patience_s=REPLACEMENT_PATIENCE_S if several else 0.0,
+                      on_wait=lambda said: print(f"lightning run: {said}", file=sys.stderr, flush=True))
     except DirectoryInUseError as err:
         print(f"lightning run: {err}", file=sys.stderr)
         return 2

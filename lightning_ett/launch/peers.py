@@ -136,9 +136,13 @@ class PeerWatch:
         return self
 
     def close(self, finished: bool) -> None:
-        """Stop heartbeating; ``finished``: tell node 0 this node ended on purpose (not a loss)."""
+        """Stop heartbeating; ``finished``: tell node 0 this node ended on purpose (not a loss). Once: later calls do
+        nothing (node 0's store may be gone by then)."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        self._thread.join(STORE_TIMEOUT_S + 1)
+        if self._thread.is_alive():
+            self._thread.join(STORE_TIMEOUT_S + 1)
         if finished:
             _within(STORE_TIMEOUT_S, lambda: (self._store or self._connect()).set(f"{self.prefix}/done/{self.node_rank}", "1"))
 

@@ -158,6 +158,33 @@ def test_a_declared_owner_that_keeps_its_heartbeat_is_never_taken_over(tmp_path)
         lock(tmp_path, stale_after_s=60).acquire()  # 25 s silent but no longer declared: alive until 60 s
 
 
+def test_a_patient_acquirer_takes_over_once_the_owner_is_declared_gone_meanwhile(tmp_path):
+    # A replacement started right after node 1's death, before node 0 noticed: it waits for the declaration.
+    dead = plant(tmp_path, host="node-7", pid=4242, age_s=17)
+    declarer = threading.Timer(1.0, lambda: declare_gone(tmp_path, LOCK, dead.token, "node 1 stopped responding"))
+    declarer.start()
+    said: list[str] = []
+    owner = lock(tmp_path, stale_after_s=60)
+    with pytest.warns(StaleOwnerWarning, match="a peer declared it gone"):
+        assert owner.acquire(patience_s=30, on_wait=said.append) == dead
+    declarer.join()
+    assert len(said) == 1 and "node-7" in said[0] and "waiting up to" in said[0]
+    owner.release()
+
+
+def test_a_patient_acquirer_is_still_refused_by_a_live_owner_on_another_host(tmp_path):
+    plant(tmp_path, host="node-7", pid=4242, age_s=1)
+    started = time.monotonic()
+    with pytest.raises(DirectoryInUseError, match="alive or gone for less than 60 s"):
+        lock(tmp_path, stale_after_s=60).acquire(patience_s=3)
+    assert 2.0 <= time.monotonic() - started < 5.0
+    plant(tmp_path, pid=os.getppid())  # a live owner on this host: refused at once, patience or not
+    started = time.monotonic()
+    with pytest.raises(DirectoryInUseError):
+        lock(tmp_path).acquire(patience_s=30)
+    assert time.monotonic() - started < 1.0
+
+
 def test_a_declaration_names_one_owner_and_never_another(tmp_path):
     dead = plant(tmp_path, host="node-7", pid=4242, age_s=25)
     replacement = plant(tmp_path, host="node-8", pid=4343, age_s=25)  # took the lock before node 0 noticed the loss

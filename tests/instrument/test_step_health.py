@@ -132,7 +132,7 @@ def test_straggler_digest_and_report_line():
     assert digest["latest"]["scores"] == {"0": 0.0, "1": 0.052}
     assert digest["worst"] == {"rank": 1, "windows": 2, "score_s": 0.05, "side": "data", "first_step": 75, "last_step": 100,
                                "streak": 2}
-    assert straggler_line(digest).startswith("straggler: rank 1, others waited 50 ms/step (data side); named in 2 of 3")
+    assert straggler_line(digest).startswith("straggler: rank 1, others waited 50 ms/batch (data side); named in 2 of 3")
 
 
 def test_the_summary_and_the_report_carry_step_health_and_stragglers():
@@ -147,4 +147,4 @@ def test_the_summary_and_the_report_carry_step_health_and_stragglers():
     assert not [f for f in d["facts"] if f["name"] == STRAGGLER_FACT]  # one per window: digested, not listed
     out = io.StringIO()
     print_report(summary, Console(file=out, width=200))
-    assert "straggler: rank 1, others waited 30 ms/step (compute side)" in out.getvalue()
+    assert "straggler: rank 1, others waited 30 ms/batch (compute side)" in out.getvalue()
