@@ -15,12 +15,15 @@ atomically, so of two acquirers exactly one wins. A lock that exists belongs to:
 * a live owner on another host: it refreshes the lock's mtime every :data:`HEARTBEAT_S` from a
   daemon thread, and a lock whose mtime is older than :data:`STALE_AFTER_S` is stale;
 * an owner on another host that a peer declared gone (:func:`declare_gone`: node 0's launcher,
-  which heard that node's heartbeat stop) and whose lock has not been refreshed for two heartbeats
-  (:attr:`OwnerLock.gone_after_s`, 20 s): taken over with a warning, without waiting out the 60 s —
-  a scheduler replaces a lost node on another host within seconds. An acquirer that finds such a
-  lock younger than that waits for it once. An owner the peer only lost touch with (a partition
-  between the nodes, not between the node and the file server) keeps refreshing its lock and is
-  refused to every acquirer, declared or not;
+  which heard that node's heartbeat stop) and whose lock has not been refreshed for three heartbeats
+  (:attr:`OwnerLock.gone_after_s`, 30 s): taken over with a warning, without waiting out the 60 s —
+  a scheduler replaces a lost node on another host within seconds. An owner the peer only lost
+  touch with (a partition between the nodes, not between the node and the file server) keeps
+  refreshing its lock (retrying a failed refresh after 1 s) and is refused, declared or not.
+  A *patient* acquirer (``acquire(patience_s=...)``: a replacement started before the loss was
+  noticed) polls an owner on another host until it is declared gone or goes stale; once its
+  patience is spent, it waits on for the staleness of an owner that never refreshed meanwhile,
+  and is refused at once by one that did;
 * no one alive: taken over with a warning. The lock is renamed to a unique name (one renamer
   gets it), checked to be the one judged stale (else put back), and the acquirer links its own.
 
@@ -144,7 +147,7 @@ class OwnerLock:
         on_takeover: called with a sentence when a stale owner is taken over (default: a
             :class:`StaleOwnerWarning`).
         heartbeat_s, stale_after_s: how often the owner refreshes its lock, and how long an unrefreshed lock
-            on another host is still alive; one declared gone is alive for ``2 * heartbeat_s``.
+            on another host is still alive; one declared gone is alive for ``3 * heartbeat_s``.
     """
 
     def __init__(self, directory: str | os.PathLike, name: str, job_id: str, attempt: int | None = None,
@@ -162,7 +165,7 @@ class OwnerLock:
         self.earlier_attempts_are_stopped = earlier_attempts_are_stopped
         self.on_takeover = on_takeover or _warn
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
-        self.gone_after_s = min(2 * heartbeat_s, stale_after_s)
+        self.gone_after_s = min(3 * heartbeat_s, stale_after_s)
         self.owner: Owner | None = None  # set while held
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of our lock file
         self._stop = threading.Event()
@@ -184,7 +187,7 @@ class OwnerLock:
         with _held_lock:
             _held.add(me.token)  # before it exists: another thread of this process must not judge it abandoned
         try:
-            return self._acquire(me, time.monotonic() + patience_s, on_wait)
+            return self._acquire(me, time.monotonic() + patience_s if patience_s > 0 else 0.0, on_wait)
         except BaseException:
             with _held_lock:
                 _held.discard(me.token)
@@ -193,7 +196,9 @@ class OwnerLock:
     def _acquire(self, me: Owner, patient_until: float, on_wait: Callable[[str], None] | None) -> Owner | None:
         data = me.to_bytes()
         taken_over: Owner | None = None
-        waited = told = False
+        told = extended = False
+        watched: tuple[str, float] | None = None  # (token, mtime) of the owner waited for
+        refreshed = False  # that owner refreshed its lock while this one waited: alive
         tries = 0
         while tries < _RETRIES:
             tries += 1
@@ -213,12 +218,18 @@ class OwnerLock:
             else:
                 reason, quiet = self._judge(current, me, age_s)
                 if reason is None:
-                    wait_s = self._until_gone(current, me, age_s)
-                    if wait_s is not None and not waited:  # declared gone moments ago: its heartbeat may still be late
-                        waited = True
-                        time.sleep(wait_s)
-                        continue
-                    if wait_s is None and not current.same_host(me) and time.monotonic() + 1.0 < patient_until:
+                    if current.same_host(me):
+                        raise DirectoryInUseError(self._refusal(current, me, age_s))
+                    mtime = time.time() - age_s
+                    if watched is None or watched[0] != current.token:
+                        watched = (current.token, mtime)
+                    elif mtime - watched[1] > 0.5:
+                        refreshed = True
+                    if not refreshed and not extended and time.monotonic() + 1.0 >= patient_until and patient_until:
+                        # Patience spent, and the owner never refreshed its lock meanwhile: it is gone but for the proof.
+                        extended = True
+                        patient_until = time.monotonic() + max(self.stale_after_s - age_s, 0.0) + 1.0
+                    if not refreshed and time.monotonic() + 1.0 < patient_until:
                         if not told and on_wait is not None:
                             told = True
                             on_wait(f"{self.what} is held by {current.describe()}, its last heartbeat {max(age_s, 0):.0f} s "
@@ -227,7 +238,7 @@ class OwnerLock:
                         tries -= 1
                         time.sleep(1.0)
                         continue
-                    raise DirectoryInUseError(self._refusal(current, me, age_s))
+                    raise DirectoryInUseError(self._refusal(current, me, age_s, refreshed))
             if self._set_aside(raw):
                 taken_over = current
                 if not quiet:
@@ -316,12 +327,6 @@ class OwnerLock:
             return gone, False
         return f"no heartbeat for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s)", False
 
-    def _until_gone(self, current: Owner, me: Owner, age_s: float) -> float | None:
-        """Seconds until a live-looking owner on another host that a peer declared gone may be taken over."""
-        if current.same_host(me) or age_s >= self.gone_after_s or _declared_gone(self.path, current.token) is None:
-            return None
-        return self.gone_after_s - max(age_s, 0.0) + 0.5
-
     def _set_aside(self, raw: bytes) -> bool:
         """Rename the stale lock out of the way; False if what was renamed was not it (then it is put back)."""
         aside = self.directory / f"{self.path.name}.stale-{uuid.uuid4().hex}"
@@ -357,7 +362,9 @@ class OwnerLock:
 
     def _beat(self, stop: threading.Event) -> None:
         """Refresh the lock's mtime, so that other hosts see this owner alive; say so once if it was lost."""
-        while not stop.wait(self.heartbeat_s):
+        wait_s = self.heartbeat_s
+        while not stop.wait(wait_s):
+            wait_s = self.heartbeat_s
             try:
                 st = os.stat(self.path)
                 if self._identity is not None and (st.st_dev, st.st_ino) != self._identity:
@@ -369,11 +376,15 @@ class OwnerLock:
                           "while this one owned it; another job may now write into it too.")
                 return
             except OSError:
-                continue  # a transient error of a network filesystem: the next beat tries again
+                wait_s = 1.0  # a transient error of a network filesystem: soon again, not a heartbeat later
 
-    def _refusal(self, current: Owner, me: Owner, age_s: float) -> str:
-        alive = "alive" if current.same_host(me) else (f"alive or gone for less than {self.stale_after_s:.0f} s: its "
-                                                       f"last heartbeat was {max(age_s, 0):.0f} s ago")
+    def _refusal(self, current: Owner, me: Owner, age_s: float, refreshed: bool = False) -> str:
+        if current.same_host(me):
+            alive = "alive"
+        elif refreshed:
+            alive = "alive: it refreshed its lock while this process waited"
+        else:
+            alive = f"alive or gone for less than {self.stale_after_s:.0f} s: its last heartbeat was {max(age_s, 0):.0f} s ago"
         text = (f"{self.what} is in use by {current.describe()}, which is {alive}. Two owners would write "
                 f"into each other's files. {self.fix}".rstrip())
         return (f"{text} (Its lock: {str(self.path)!r}; once that process is gone it is taken over, on another host "

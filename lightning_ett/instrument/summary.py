@@ -23,7 +23,9 @@ Rules (also in the README's "How ETT% is measured"):
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import ipaddress
 import itertools
 import os
 import re
@@ -334,6 +336,16 @@ def _finished_by_launcher(launcher: list[dict[str, Any]]) -> set[int]:
     return finished
 
 
+def _node_addresses(launcher: list[dict[str, Any]]) -> dict[str, int]:
+    """Each node's IP address, from its launches; an address more than one node rank launched from names none."""
+    ranks: dict[str, set[int]] = {}
+    for r in launcher:
+        if r.get("kind") == "launch" and r.get("address") and r.get("node_rank") is not None:
+            with contextlib.suppress(ValueError):
+                ranks.setdefault(str(ipaddress.ip_address(r["address"])), set()).add(int(r["node_rank"]))
+    return {address: next(iter(nodes)) for address, nodes in ranks.items() if len(nodes) == 1}
+
+
 def _with_nodes_named(failure: str, node_addresses: dict[str, int]) -> str:
     """``failure`` with the nodes whose addresses it names (``Connection reset by peer [10.0.0.2]:5851``) said, in a
     job of several nodes: a node that died and was replaced before node 0 called it lost is otherwise unnamed."""
@@ -349,8 +361,7 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
     finished = _finished_by_launcher(launcher)
     stops = stopped_attempts(launcher)
     ended_by_loss = _losses_that_ended_attempts(launcher)  # (once, not per attempt: it scans every record)
-    node_addresses = {r["address"]: int(r["node_rank"]) for r in launcher
-                      if r.get("kind") == "launch" and r.get("address") and r.get("node_rank") is not None}
+    node_addresses = _node_addresses(launcher)
     failures: dict[int, list[dict[str, Any]]] = {}
     for r in launcher:
         if r.get("kind") == "failure":

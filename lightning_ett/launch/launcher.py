@@ -54,6 +54,7 @@ from lightning_ett.durable.ownership import (
     DirectoryInUseError,
     OwnerLock,
     declare_gone,
+    read_owner,
     run_dir_owner_file,
     withdraw_gone,
 )
@@ -212,7 +213,11 @@ class LaunchRecorder:
         lock = run_dir_owner_file(event.node_rank)
         try:
             if event.kind == "node_lost" and event.owner_token:
-                declare_gone(self.opts.run_dir, lock, event.owner_token, event.line())
+                if declare_gone(self.opts.run_dir, lock, event.owner_token, event.line()) is None \
+                        and (holder := read_owner(self.opts.run_dir / lock)) is not None:
+                    print(f"lightning run: warning: node {event.node_rank}'s part of {str(self.opts.run_dir)!r} is held by "
+                          f"{holder.describe()}, not by the launcher that stopped responding; it is left alone.",
+                          file=sys.stderr, flush=True)
             elif event.kind == "node_back":
                 withdraw_gone(self.opts.run_dir, lock)
         except OSError as err:
@@ -570,8 +575,8 @@ def torchrun_argv(opts: LaunchOptions) -> list[str]:
 
 #: How long a node's launcher waits for the lock of a launcher on another host that looks alive: node 0 declares a
 #: dead node's launcher gone within SILENT_S + HEARTBEAT_S + 1 s of its death, and its lock may then be taken over once
-#: it is 20 s silent (two of its heartbeats), at most ~20 s after the death.
-REPLACEMENT_PATIENCE_S = 30.0
+#: it is 30 s silent (three of its heartbeats), at most ~30 s after the death.
+REPLACEMENT_PATIENCE_S = 40.0
 
 
 def launch(opts: LaunchOptions) -> int:
@@ -586,8 +591,9 @@ def launch(opts: LaunchOptions) -> int:
     owner = OwnerLock(opts.run_dir, run_dir_owner_file(opts.node_rank), opts.job_id,
                       what=f"--run-dir {str(opts.run_dir)!r} (node {opts.node_rank})",
                       fix="Wait for that job to end or stop it (its workers die with its launcher), or pass another "
-                      "--run-dir." + (f" If node {opts.node_rank} was lost and this replaces it, start it again once "
-                                      "node 0 has said that node stopped responding." if several else ""),
+                      "--run-dir." + (f" If node {opts.node_rank} was lost and this replaces it: that launcher is not "
+                                      "gone, or node 0 has not said it stopped responding."
+                                      if several and opts.node_rank > 0 else ""),
                       on_takeover=lambda said: print(f"lightning run: warning: {said}", file=sys.stderr))
     try:
         # A replacement for a lost node may start before node 0 has noticed the loss: it waits for that.

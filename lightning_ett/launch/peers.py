@@ -127,6 +127,7 @@ class PeerWatch:
         self.peers = {n: _Peer() for n in range(num_nodes) if n != node_rank}
         self._stops_seen: set[int] = set()
         self._stop = threading.Event()
+        self._closed = False
         self._store: Any = None
         self._fresh = True  # a new client: (re)state this node's address and clear an earlier launcher's "done"
         self._thread = threading.Thread(target=self._run, name="ett-peers", daemon=True)
@@ -138,13 +139,14 @@ class PeerWatch:
     def close(self, finished: bool) -> None:
         """Stop heartbeating; ``finished``: tell node 0 this node ended on purpose (not a loss). Once: later calls do
         nothing (node 0's store may be gone by then)."""
-        if self._stop.is_set():
+        if self._closed:
             return
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(STORE_TIMEOUT_S + 1)
         if finished:
             _within(STORE_TIMEOUT_S, lambda: (self._store or self._connect()).set(f"{self.prefix}/done/{self.node_rank}", "1"))
+        self._closed = True  # (last: a close interrupted by a signal is done again by the next one)
 
     # ------------------------------------------------------------------ what the launcher asks
     def lost(self) -> tuple[int, str, float] | None:
@@ -211,6 +213,8 @@ class PeerWatch:
             elif peer.count and not peer.lost and now - peer.changed >= self.silent_s \
                     and not store.check([f"{self.prefix}/done/{node}"]):
                 peer.lost = True
+                with contextlib.suppress(Exception):  # the launcher that went silent (one may have replaced another)
+                    peer.owner_token = store.get(f"{self.prefix}/owner/{node}").decode() or None
                 self._said(PeerEvent("node_lost", node, peer.address, peer.changed, now, peer.owner_token))
 
     def _said(self, event: PeerEvent) -> None:

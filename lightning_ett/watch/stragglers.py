@@ -1,4 +1,4 @@
-"""Which rank makes the others wait, and for how long per step: a diagnosis, not a restart.
+"""Which rank makes the others wait, and for how long per batch: a diagnosis, not a restart.
 
 Method. Each rank stamps, locally and per training batch, two host times: ``ready`` (the batch has
 been fetched; Lightning fetches just before ``on_train_batch_start``) and ``forward_done`` (the
@@ -15,7 +15,7 @@ cores; the median over 5 gathers removes them). Over those few windows the hosts
 taken to run at one rate: two clocks 10 ppm apart drift 5 x N steps x 10 ppm, 1.25 % of the
 default threshold (10 % of a step, N = 25) whatever the step time.
 Then, per batch and point, a rank's lateness is its stamp minus the earliest rank's; per batch,
-the larger of its two; its score, the median over the window: the seconds per step the others
+the larger of its two; its score, the median over the window: the seconds per batch the others
 waited for it. The first window has no earlier gather to measure from: it only sets the origin
 (with :data:`ORIGIN_GATHERS` gathers in a row, so the next window's offsets are a median already).
 
@@ -113,7 +113,7 @@ class WindowStamps:
 
 @dataclass(frozen=True)
 class WindowScores:
-    """Per-rank lateness over one window, in seconds per step."""
+    """Per-rank lateness over one window, in seconds per batch (a micro-batch under gradient accumulation)."""
 
     scores: tuple[float, ...]  # median over the window of max(ready, forward) lateness
     data_scores: tuple[float, ...]  # the same at ``ready`` alone: how much of it is the data side
@@ -219,7 +219,7 @@ class Verdict:
     def message(self) -> str:
         assert self.straggler is not None
         return (f"ETTMonitor: rank {self.straggler} is a straggler: the other ranks waited for it "
-                f"{1000 * self.score_s:.1f} ms per step ({self.side} side) for {self.streak} consecutive windows of "
+                f"{1000 * self.score_s:.1f} ms per batch ({self.side} side) for {self.streak} consecutive windows of "
                 f"{self.window.batches} steps (threshold {1000 * self.threshold_s:.1f} ms). See the `stragglers` entry "
                 "of ett_summary.json.")
 
