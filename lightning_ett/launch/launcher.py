@@ -293,7 +293,7 @@ class LaunchRecorder:
         now = time.time()
         self._between_attempts = True
         if self.peers is not None and (lost := self.peers.lost()) is not None:
-            print(f"lightning run: node {lost[0]} ({lost[1]}){WAITING}", file=sys.stderr, flush=True)
+            print(f"lightning run: node {lost[0]} ({lost[1]}) is not responding{WAITING}", file=sys.stderr, flush=True)
         if self.wandb_service is not None:
             self.wandb_service.restart()
         if self.hang is not None:  # the watch stopped the group: its verdict is the failure
