@@ -23,9 +23,9 @@ Faults, each after step 45 of the first attempt (rank 0's ledger; the last check
 * ``node``: every process of host 1 SIGKILLed, launcher included; a replacement launcher is started on
   host 1 20 s later in both arms (the scheduler's part, the same for both).
 * ``partition``: host 1's link down for 60 s, then up. No A/A arm here (one torchrun run per round,
-  capped at ``--cap-s``): torchrun either resumes in place when the link is back (TCP outlives a
-  60 s outage) or its node-1 agent dies on a store timeout and node 0's ranks wait for gloo's
-  30-minute timeout.
+  capped at ``--cap-s``): torchrun's ranks resume in place when the link is back (TCP outlives a
+  60 s outage), but its node-1 agent dies on the rendezvous store's timeout meanwhile, and node 0's
+  agent then waits for it in the exit barrier (300 s) past the cap.
 
 Measured from the ledgers of both ranks (raw train events, whatever their attempt numbers):
 **recovery** = fault -> the end of the first step started after it that is either run again (a
