@@ -187,18 +187,15 @@ class OwnerLock:
         with _held_lock:
             _held.add(me.token)  # before it exists: another thread of this process must not judge it abandoned
         try:
-            return self._acquire(me, time.monotonic() + patience_s if patience_s > 0 else 0.0, on_wait)
+            return self._acquire(me, _Patience(patience_s, self.stale_after_s, self.what, on_wait))
         except BaseException:
             with _held_lock:
                 _held.discard(me.token)
             raise
 
-    def _acquire(self, me: Owner, patient_until: float, on_wait: Callable[[str], None] | None) -> Owner | None:
+    def _acquire(self, me: Owner, patience: _Patience) -> Owner | None:
         data = me.to_bytes()
         taken_over: Owner | None = None
-        told = extended = False
-        watched: tuple[str, float] | None = None  # (token, mtime) of the owner waited for
-        refreshed = False  # that owner refreshed its lock while this one waited: alive
         tries = 0
         while tries < _RETRIES:
             tries += 1
@@ -218,27 +215,10 @@ class OwnerLock:
             else:
                 reason, quiet = self._judge(current, me, age_s)
                 if reason is None:
-                    if current.same_host(me):
-                        raise DirectoryInUseError(self._refusal(current, me, age_s))
-                    mtime = time.time() - age_s
-                    if watched is None or watched[0] != current.token:
-                        watched = (current.token, mtime)
-                    elif mtime - watched[1] > 0.5:
-                        refreshed = True
-                    if not refreshed and not extended and time.monotonic() + 1.0 >= patient_until and patient_until:
-                        # Patience spent, and the owner never refreshed its lock meanwhile: it is gone but for the proof.
-                        extended = True
-                        patient_until = time.monotonic() + max(self.stale_after_s - age_s, 0.0) + 1.0
-                    if not refreshed and time.monotonic() + 1.0 < patient_until:
-                        if not told and on_wait is not None:
-                            told = True
-                            on_wait(f"{self.what} is held by {current.describe()}, its last heartbeat {max(age_s, 0):.0f} s "
-                                    f"ago; waiting up to {patient_until - time.monotonic():.0f} s for it to be declared "
-                                    "gone or to go stale")
-                        tries -= 1
-                        time.sleep(1.0)
-                        continue
-                    raise DirectoryInUseError(self._refusal(current, me, age_s, refreshed))
+                    if current.same_host(me) or not patience.waited(current, age_s):
+                        raise DirectoryInUseError(self._refusal(current, me, age_s, patience.refreshed))
+                    tries -= 1  # (a wait is no lost race)
+                    continue
             if self._set_aside(raw):
                 taken_over = current
                 if not quiet:
@@ -390,6 +370,44 @@ class OwnerLock:
         return (f"{text} (Its lock: {str(self.path)!r}; once that process is gone it is taken over, on another host "
                 f"{self.stale_after_s:.0f} s after its last heartbeat, or {self.gone_after_s:.0f} s after it once a "
                 "peer declared it gone: a multi-node job's node 0 does when that node stops responding.)")
+
+
+class _Patience:
+    """An acquirer's wait for a live-looking owner on another host to be declared gone or to go stale.
+
+    It polls every second for ``patience_s``; then, if the owner never refreshed its lock meanwhile,
+    on until the lock is stale. An owner seen refreshing its lock is alive: no more waiting.
+    """
+
+    def __init__(self, patience_s: float, stale_after_s: float, what: str,
+                 on_wait: Callable[[str], None] | None) -> None:
+        self.until = time.monotonic() + patience_s if patience_s > 0 else 0.0
+        self.stale_after_s, self.what, self.on_wait = stale_after_s, what, on_wait
+        self.refreshed = False  # the owner waited for refreshed its lock meanwhile: alive
+        self._watched: tuple[str, float] | None = None  # (token, mtime) of the owner waited for
+        self._extended = self._told = False
+
+    def waited(self, current: Owner, age_s: float) -> bool:
+        """Wait a second for ``current`` (its lock ``age_s`` old) and return True, or False: refuse it now."""
+        mtime = time.time() - age_s
+        if self._watched is None or self._watched[0] != current.token:
+            self._watched = (current.token, mtime)
+        elif mtime - self._watched[1] > 0.5:
+            self.refreshed = True
+        if self.refreshed or not self.until:
+            return False
+        if not self._extended and time.monotonic() + 1.0 >= self.until:
+            # Patience spent, and the owner never refreshed its lock meanwhile: it is gone but for the proof.
+            self._extended = True
+            self.until = time.monotonic() + max(self.stale_after_s - age_s, 0.0) + 1.0
+        if time.monotonic() + 1.0 >= self.until:
+            return False
+        if not self._told and self.on_wait is not None:
+            self._told = True
+            self.on_wait(f"{self.what} is held by {current.describe()}, its last heartbeat {max(age_s, 0):.0f} s ago; "
+                         f"waiting up to {self.until - time.monotonic():.0f} s for it to be declared gone or to go stale")
+        time.sleep(1.0)
+        return True
 
 
 def _linked_anyway(temp: Path) -> bool:

@@ -208,7 +208,7 @@ class LaunchRecorder:
 
     def _declare(self, event: PeerEvent) -> None:
         """A lost node's launcher's lock on its part of the run directory looks alive for a minute more: declared
-        gone, a replacement on another host takes it over once it is 20 s silent (only that launcher's lock, and
+        gone, a replacement on another host takes it over once it is 30 s silent (only that launcher's lock, and
         only while it stays silent); a node back takes the declaration back."""
         lock = run_dir_owner_file(event.node_rank)
         try:
@@ -651,9 +651,9 @@ def _reachable(opts: LaunchOptions) -> LaunchOptions:
     """
     if opts.num_nodes < 2:
         return opts
-    from lightning_ett.launch.network import ENV_ONE_MACHINE, advertised_address, interface_with, is_ip_literal, is_loopback
+    from lightning_ett.launch.network import ENV_ONE_MACHINE, advertised_address, interface_with, is_loopback_ip
 
-    if is_ip_literal(opts.main_address) and is_loopback(opts.main_address):
+    if is_loopback_ip(opts.main_address):
         os.environ[ENV_ONE_MACHINE] = "1"  # (a loopback IP: the workers' store check accepts a loopback store)
     if opts.local_addr is not None:
         return opts

@@ -52,10 +52,10 @@ def _all_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
-def is_ip_literal(host: str) -> bool:
+def is_loopback_ip(host: str) -> bool:
+    """Is ``host`` a loopback IP address (not a name)? Every node meeting there runs on this machine."""
     try:
-        ipaddress.ip_address(host)
-        return True
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -93,7 +93,7 @@ def advertised_address(main_address: str) -> tuple[str | None, str | None]:
     name that resolves to loopback here (Debian's ``127.0.1.1 <hostname>``), its outward address.
     """
     hostname = socket.getfqdn()
-    if not is_loopback(hostname) or (is_ip_literal(main_address) and is_loopback(main_address)):
+    if not is_loopback(hostname) or is_loopback_ip(main_address):
         return None, None
     source = route_source(main_address)
     how = f"the address on the route to --main-address {main_address}"
