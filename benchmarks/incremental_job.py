@@ -86,6 +86,8 @@ class Tables(LightningModule):
                                        torch.nn.ReLU(), torch.nn.Linear(512, 1))
         self.stream = IdStream(self.rows, stream, alpha)
         self.touched = torch.zeros(TABLES, self.rows, dtype=torch.bool)  # since the last interval mark, all ranks' ids
+        self.since_first = torch.zeros(TABLES, self.rows, dtype=torch.bool)  # since the window's first mark
+        self.marks = 0
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -101,10 +103,15 @@ class Tables(LightningModule):
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         return torch.optim.Adagrad(self.parameters(), lr=1e-3)  # the tables go to ETTStrategy's fused optimizer
 
-    def touched_fraction(self) -> float:
+    def touched_fractions(self) -> tuple[float, float]:
+        """Rows touched since the last mark (a consecutive delta's rows) and since the first (a one-shot
+        differential's against a full save made at the first mark); looked-up rows are the rows that change."""
         fraction = float(self.touched.float().mean())
+        if self.marks:  # (before the first mark: the steps before that full save)
+            self.since_first |= self.touched
+        self.marks += 1
         self.touched.zero_()
-        return fraction
+        return fraction, float(self.since_first.float().mean())
 
 
 def directory_bytes(path: Path) -> int:
@@ -125,6 +132,7 @@ class Driver(Callback):
         self.skipped = 0
         self.blocked: list[float] = []
         self.fractions: list[float] = []
+        self.union_fractions: list[float] = []
         self.done_at: float | None = None
         self.staging_bytes = 0  # ours: the most staging memory held (both buffer sets when incremental)
 
@@ -165,7 +173,9 @@ class Driver(Callback):
         if self.in_flight is not None and done:
             self._landed(trainer)
         if self.window_steps % self.every == 0:
-            self.fractions.append(pl_module.touched_fraction())
+            interval, since_first = pl_module.touched_fractions()
+            self.fractions.append(interval)
+            self.union_fractions.append(since_first)
             if self.in_flight is None:
                 t = time.perf_counter()
                 self.saver.start(trainer)
@@ -255,7 +265,7 @@ def main() -> None:
         "window_steps": driver.window_steps, "window_s": wall, "step_s": step,
         "cost_s": wall - driver.window_steps * step, "saves": driver.saves, "skipped": driver.skipped,
         "bytes": written, "bytes_per_hour": written / wall * 3600, "blocked_s": driver.blocked,
-        "touched_fraction": driver.fractions, "restores": restores,
+        "touched_fraction": driver.fractions, "touched_since_first": driver.union_fractions, "restores": restores,
         "staging_bytes": driver.staging_bytes,
     }))
 

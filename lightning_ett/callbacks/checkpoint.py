@@ -22,6 +22,7 @@ from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, CadenceTracker, estimate_mtbf_s
+from lightning_ett.checkpoint.chain import next_delta_budget
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
@@ -117,9 +118,11 @@ class AsyncCheckpoint(Checkpoint):
             in every interval is written once per save, as a one-shot differential against the
             last full save would too, but a row changed once is written once, where the
             differential writes it again at every later save), at the price of reading the
-            chain on restore. So a save is full once the chain's deltas (measured: the
-            committed bytes) plus this save's rows would pass half a full save, which bounds a
-            restore to about 1.5 full saves' bytes (plus one delta's dense state). Peak host
+            chain on restore. So a save is full once a restore of the chain would take more than
+            1.5 full restores, estimated from the committed bytes of the full save and the deltas
+            and a fixed cost per delta (its files opened and parsed: many tiny deltas restore
+            slowly too, and on small tables a full save is cheap anyway; see
+            ``chain.next_delta_budget``). Peak host
             memory while a delta is written: the changed rows gathered, at most about half the
             tables (a shard with more changed rows is written whole, not gathered). ``False``
             (default) until the benchmark settles it (see
@@ -498,7 +501,7 @@ class AsyncCheckpoint(Checkpoint):
                 full, budget = True, math.inf
                 if self.incremental and callable(split):  # every rank is here; any rank's "full" wins, rank 0's budget
                     full, budget = self._agree(trainer, not (self._delta_due(trainer) and self._stager.can_diff(state)),
-                                               self._delta_budget() if trainer.is_global_zero else -math.inf)
+                                               self._delta_budget(trainer) if trainer.is_global_zero else -math.inf)
                 self._snapshot = self._stager.stage(state, late, keep_base=self.incremental, as_delta=not full)
                 self._writer.submit(self._snapshot, step, boundary_s=time.perf_counter() - start,
                                     on_committed=self._stager.mark_base if self.incremental else None,
@@ -513,20 +516,20 @@ class AsyncCheckpoint(Checkpoint):
 
     def _delta_due(self, trainer: pl.Trainer) -> bool:
         """May this save be a delta? This rank holds the last committed save's tables (same layout), and on rank 0
-        the chain is short enough (``full_every_n_saves``, else its measured bytes below half a full save)."""
+        the chain is short enough (``full_every_n_saves``, else its estimated restore time: ``chain.next_delta_budget``)."""
         if not self._stager.has_base:
             return False
         if not trainer.is_global_zero:
             return True  # rank 0 decides the chain's length; its "full" wins in the agreement
         if self.full_every_n_saves is not None:
             return self._deltas_in_chain + 1 < self.full_every_n_saves
-        return self._full_bytes > 0 and self._chain_bytes < _MAX_CHAIN_FRACTION * self._full_bytes
+        return self._delta_budget(trainer) > 0
 
-    def _delta_budget(self) -> float:
+    def _delta_budget(self, trainer: pl.Trainer) -> float:
         """Rank 0: the bytes of rows the next delta may hold before the chain outgrows its bound (inf: no bound)."""
         if self.full_every_n_saves is not None:
             return math.inf
-        return _MAX_CHAIN_FRACTION * self._full_bytes - self._chain_bytes
+        return next_delta_budget(self._full_bytes, self._chain_bytes, self._deltas_in_chain, trainer.world_size)
 
     def _late_storages(self, trainer: pl.Trainer) -> set[int]:
         """What may be copied after the boundary: parameters and optimizer states (nothing else changes before
@@ -703,9 +706,6 @@ def _past_failures() -> int:
         return 0
 
 
-#: incremental: a new full save once the chain's deltas reach this fraction of a full save's bytes
-#: (a restore then reads at most 1 + this many full saves' bytes).
-_MAX_CHAIN_FRACTION = 0.5
 _EXCEPTION_WAIT_S = 120.0  # after a crash, a save in flight gets this long to finish (a dead peer may block it)
 
 

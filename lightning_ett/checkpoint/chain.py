@@ -11,15 +11,18 @@ here fill the targets they are given the same way:
   global coordinates are pasted into whatever shards this rank holds);
 * :func:`read_whole` — one entry with every tensor whole, in this process (the publisher,
   strategies without sharding).
+
+How long a chain may grow is :func:`next_delta_budget`: by its estimated restore time.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from lightning_ett.checkpoint import dcp_io, delta
-from lightning_ett.checkpoint.layout import chain_of, tracked_keys
+from lightning_ett.checkpoint.layout import chain_of, delta_index, tracked_keys
 
 
 def load_into(target: dict[str, Any], path: Path) -> None:
@@ -38,7 +41,7 @@ def load_into(target: dict[str, Any], path: Path) -> None:
         dcp_io.load_into(own, members[-1])
         _merge(target, own)  # non-tensor leaves (param groups) come back as new objects
     for member in members[1:]:
-        delta.apply(delta.read(member), target)
+        delta.apply(delta.read(member, delta_index(member), target), target)
 
 
 def read_whole(path: Path, key: str) -> dict[str, Any]:
@@ -58,6 +61,30 @@ def read_whole(path: Path, key: str) -> dict[str, Any]:
             if record.key[0] == key and (leaf := delta.leaf_at(whole, record.key[1:])) is not None:
                 delta.apply_whole(record, leaf)
     return whole
+
+
+#: A chain is kept to what restores in this fraction of a full restore's time more: a restore from any of its
+#: checkpoints takes at most ~1.5 full restores (#34's bound).
+MAX_EXTRA_RESTORE = 0.5
+#: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest, its file
+#: opened and parsed, each record found (measured: ~14 ms a delta on 2 CPU ranks, whose full save reads at ~1.5 GB/s
+#: a rank; benchmarks/README.md, "Restore against chain length"). Its rows cost what a full save's do.
+DELTA_OPEN_BYTES_PER_RANK = 16 << 20
+
+
+def next_delta_budget(full_bytes: int, chain_bytes: int, deltas: int, world_size: int) -> float:
+    """How many bytes of rows the next delta may hold before a restore of the chain would take more than
+    ``1 + MAX_EXTRA_RESTORE`` full restores (<= 0: the next save must be full).
+
+    The estimate: a full restore reads ``full_bytes``; each delta adds its bytes and a fixed cost
+    (``DELTA_OPEN_BYTES_PER_RANK`` on every rank). Bytes alone would let small deltas pile up: a
+    chain of many tiny deltas restores slowly though it is small, and on small tables a full save
+    is cheap anyway.
+    """
+    if full_bytes <= 0:
+        return -math.inf
+    open_cost = DELTA_OPEN_BYTES_PER_RANK * max(world_size, 1)
+    return MAX_EXTRA_RESTORE * full_bytes - chain_bytes - (deltas + 1) * open_cost
 
 
 def _merge(target: dict[str, Any], loaded: dict[str, Any]) -> None:

@@ -177,9 +177,51 @@ def write(records: list[RowRecord], directory: Path, rank: int) -> dict[str, tup
     return {path.name: summing.checksum} if summing.checksum is not None else {}
 
 
-def read(directory: Path) -> Iterator[RowRecord]:
-    """Every rank's records of one incremental save (memory-mapped: only the rows applied are read)."""
+def spans(records: list[RowRecord]) -> list[list[Any]]:
+    """Where each record lies, for the manifest's index: ``[key path, first row, end row, first column, end column]``
+    (columns ``-1, -1`` for a 1-D tensor). A restore opens only the files whose records reach the shards it holds
+    (:func:`reaches`): with N ranks, one file per delta instead of N for a rank restoring its own layout."""
+    out: list[list[Any]] = []
+    for r in records:
+        if r.rows is None:
+            lo, hi = r.offsets[0], r.offsets[0] + r.values.shape[0]
+        elif r.rows.numel():
+            lo, hi = int(r.rows.min()), int(r.rows.max()) + 1
+        else:
+            continue
+        columns = (r.offsets[1], r.offsets[1] + r.values.shape[1]) if r.values.dim() > 1 and len(r.offsets) > 1 \
+            else (-1, -1)
+        out.append([list(r.key), lo, hi, *columns])
+    return out
+
+
+def reaches(span: list[Any], target: dict[str, Any]) -> bool:
+    """Would a record at ``span`` (see :func:`spans`) write anything into ``target``, as :func:`apply` applies it?"""
+    key, lo, hi, first, end = tuple(span[0]), *span[1:]
+    leaf = leaf_at(target, key)
+    if leaf is None:
+        return False
+    if not is_sharded(leaf):
+        return isinstance(leaf, torch.Tensor)  # held whole (a table now data-parallel): every row lands
+    for shard, offsets in shards_with_offsets(leaf):
+        rows_meet = shard.dim() > 0 and offsets[0] < hi and lo < offsets[0] + shard.shape[0]
+        columns_meet = first < 0 or shard.dim() < 2 or (offsets[1] < end and first < offsets[1] + shard.shape[1])
+        if rows_meet and columns_meet:
+            return True
+    return False
+
+
+def read(directory: Path, index: dict[str, Any] | None = None, target: dict[str, Any] | None = None
+         ) -> Iterator[RowRecord]:
+    """Every rank's records of one incremental save (memory-mapped: only the rows applied are read).
+
+    With the manifest's ``index`` and the ``target`` they will be applied to, a file whose records
+    reach none of the target's shards is not opened (a file the index does not list always is).
+    """
     for path in sorted(directory.glob(DELTA_GLOB)):
+        where = index.get(path.name) if index is not None and target is not None else None
+        if isinstance(where, list) and not any(reaches(span, target) for span in where):
+            continue
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if saved.get("format") != _FORMAT:
             raise ValueError(f"{str(path)!r} is a delta of an unknown format {saved.get('format')!r}")
@@ -197,27 +239,33 @@ def leaf_at(state: dict[str, Any], key: KeyPath) -> Any | None:
 
 
 def _paste(target: torch.Tensor, target_offsets: tuple[int, ...], record: RowRecord) -> int:
-    """Write the record's rows that fall inside ``target`` (a shard at ``target_offsets``); returns how many."""
+    """Write the record's rows that fall inside ``target`` (a shard at ``target_offsets``); returns how many.
+
+    The common case, a record from the same layout (every row inside, every column), is one
+    ``index_copy_`` straight from the (memory-mapped) values: no mask, no gathered copy. A
+    restore applies every delta of a chain this way, so its cost per row is what bounds the
+    chain (see ``AsyncCheckpoint``'s chain policy).
+    """
     values = record.values
     local = record.global_rows - target_offsets[0]
-    inside = (local >= 0) & (local < target.shape[0])
+    if not local.numel():
+        return 0
     if target.dim() > 1:  # columns: the overlap of the record's column range with the shard's
         lo = max(record.offsets[1], target_offsets[1])
         hi = min(record.offsets[1] + values.shape[1], target_offsets[1] + target.shape[1])
         if hi <= lo:
             return 0
-        values = values[:, lo - record.offsets[1]:hi - record.offsets[1]]
-        columns = slice(lo - target_offsets[1], hi - target_offsets[1])
-    if not bool(inside.any()):
-        return 0
-    pick = torch.nonzero(inside).flatten()
-    rows = local[pick].to(target.device)
-    chosen = values[pick].to(target.device, target.dtype)
-    if target.dim() > 1:
-        target[rows, columns] = chosen
-    else:
-        target[rows] = chosen
-    return int(pick.numel())
+        if (lo, hi) != (record.offsets[1], record.offsets[1] + values.shape[1]):
+            values = values[:, lo - record.offsets[1]:hi - record.offsets[1]]
+        if (lo, hi) != (target_offsets[1], target_offsets[1] + target.shape[1]):
+            target = target[:, lo - target_offsets[1]:hi - target_offsets[1]]  # a view: written in place
+    if int(local.min()) < 0 or int(local.max()) >= target.shape[0]:  # another layout: only the rows inside
+        pick = torch.nonzero((local >= 0) & (local < target.shape[0])).flatten()
+        if not pick.numel():
+            return 0
+        local, values = local[pick], values[pick]
+    target.index_copy_(0, local.to(target.device), values.to(target.device, target.dtype))
+    return int(local.numel())
 
 
 def apply(records: Iterator[RowRecord], target: dict[str, Any]) -> int:

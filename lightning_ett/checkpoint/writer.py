@@ -239,9 +239,9 @@ class CheckpointWriter:
             snapshot.wait_copied()
             state = snapshot.state["dcp"]
             checksums: dict[str, tuple[int, int]] = {}
-            tracked: list[list[str]] | None = None
+            delta_fields: dict[str, Any] | None = None
             if incremental:  # the sharded tensors' changed rows, the rest in full (unless the rows are too many)
-                incremental, rows, checksums, tracked = self._write_rows(snapshot, tmp, delta_budget)
+                incremental, rows, checksums, delta_fields = self._write_rows(snapshot, tmp, delta_budget)
                 if incremental:
                     state = delta.without_sharded(state)
             checksums.update(dcp_io.write(state, tmp, self.group, collective=self.collective, staged=True))
@@ -260,7 +260,7 @@ class CheckpointWriter:
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums, tracked)
+                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums, delta_fields)
             except Exception as e:
                 error = explain(e, tmp)
                 discard_unfinished(tmp)
@@ -277,38 +277,42 @@ class CheckpointWriter:
                            snapshot.late_bytes, incremental, *rows)
 
     def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None
-                    ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]], list[list[str]] | None]:
+                    ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]], dict[str, Any] | None]:
         """This rank's changed rows into ``tmp``, then one agreement of every rank: all fine and within ``budget``?
 
-        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum,
-        the row-tracked tensors' key paths of every rank: each rank holds its own tables' optimizer state).
+        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum, the
+        manifest's delta fields: ``tracked``, the row-tracked tensors' key paths of every rank (each rank
+        holds its own tables' optimizer state), and ``index``, where each rank's file's records lie
+        (:func:`delta.spans`), so that a restore opens only the files that hold its rows).
         The agreement comes before DCP's collective write, so a rank that failed here (out of
         memory, disk full) fails the save on every rank instead of leaving them in the collective;
         rows over budget turn the save into a full one on every rank (the restore bound holds).
         """
         error: str | None = None
-        nbytes, rows, sums = 0, (0, 0), {}
+        nbytes, rows, sums, spans = 0, (0, 0), {}, []
         try:
             records, changed, compared = delta.diff(snapshot.state["dcp"], snapshot.previous or {})
-            nbytes, rows = delta.records_nbytes(records), (changed, compared)
+            nbytes, rows, spans = delta.records_nbytes(records), (changed, compared), delta.spans(records)
             tmp.mkdir(parents=True, exist_ok=True)
             sums = delta.write(records, tmp, self.rank)
             del records  # the gathered rows: freed before DCP's write
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
             error = explain(e, tmp)
         mine = sorted(list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"]))
-        everyone: list[Any] = [(error, nbytes, mine)]
+        ours = (error, nbytes, mine, self.rank, spans)
+        everyone: list[Any] = [ours]
         if self.collective and self.group is not None:
             everyone = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(everyone, (error, nbytes, mine), group=self.group)
-        failed = [(rank, said) for rank, (said, _, _) in enumerate(everyone) if said is not None]
+            dist.all_gather_object(everyone, ours, group=self.group)
+        failed = [(rank, said) for said, _, _, rank, _ in everyone if said is not None]
         if failed:
             raise CheckpointWriteError(f"rank {failed[0][0]} could not write its rows: {failed[0][1]}")
-        if budget is not None and sum(n for _, n, _ in everyone) > budget:
+        if budget is not None and sum(n for _, n, *_ in everyone) > budget:
             (tmp / delta.DELTA_FILE.format(rank=self.rank)).unlink(missing_ok=True)
             return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
-        tracked = sorted({tuple(key) for _, _, keys in everyone for key in keys})
-        return True, rows, sums, [list(key) for key in tracked]
+        tracked = sorted({tuple(key) for _, _, keys, _, _ in everyone for key in keys})
+        index = {delta.DELTA_FILE.format(rank=rank): where for _, _, _, rank, where in everyone}
+        return True, rows, sums, {"tracked": [list(key) for key in tracked], "index": index}
 
     def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]], rows: tuple[int, int]
                            ) -> tuple[bool, dict[str, tuple[int, int]], tuple[int, int]]:
@@ -324,17 +328,18 @@ class CheckpointWriter:
         return all(ok for ok, _, _ in everyone), merged, total
 
     def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int, checksums: dict[str, tuple[int, int]],
-                tracked: list[list[str]] | None = None) -> int:
+                delta_fields: dict[str, Any] | None = None) -> int:
         """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes.
 
-        A delta (``tracked``: the key paths of its row-tracked tensors) names its chain in its
-        manifest: the last checkpoint this writer committed and that one's chain.
+        A delta (``delta_fields``: see :meth:`_write_rows`) names its chain in its manifest: the last
+        checkpoint this writer committed and that one's chain.
         """
-        assert tracked is None or self._chain, "a delta needs a committed checkpoint to build on"
-        delta_fields = {"kind": "delta", "chain": self._chain, "tracked": tracked} if tracked is not None else None
+        is_delta = delta_fields is not None
+        assert not is_delta or self._chain, "a delta needs a committed checkpoint to build on"
+        extra = {"kind": "delta", "chain": self._chain, **delta_fields} if delta_fields is not None else None
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
-        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, extra=delta_fields)
-        self._chain = [*(self._chain if tracked is not None else []), {"name": final.name, "seq": manifest["seq"]}]
+        manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, extra=extra)
+        self._chain = [*(self._chain if is_delta else []), {"name": final.name, "seq": manifest["seq"]}]
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
         return sum(f["bytes"] for f in manifest["files"].values())

@@ -56,7 +56,10 @@ from lightning_ett.durable.manifest import verify as verify_directory
 ARTIFACT_FILE = "model.pt"
 DELTA_FILE = "delta.pt"
 _DELTA_FORMAT = 1
-_MAX_CHAIN_FRACTION = 0.5  # as AsyncCheckpoint's: a new full version once the deltas reach half a full one
+#: A new full version once the deltas reach half a full one, by bytes alone (AsyncCheckpoint also counts a fixed
+#: cost per delta, ``chain.next_delta_budget``): a server applies each delta as it comes, once; only a server
+#: starting cold reads a chain whole, and bytes bound that read to 1.5 full versions.
+_MAX_CHAIN_FRACTION = 0.5
 LATEST_FILE = "latest"
 LOCK_FILE = ".lock"
 FORMAT = "ett-published-v1"

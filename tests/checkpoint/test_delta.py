@@ -89,6 +89,47 @@ def test_a_delta_written_by_one_layout_applies_exactly_to_another(tmp_path, one_
     assert torch.equal(whole, new)
 
 
+def first_half_of_two_ranks(whole: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Rank 0's view of ``whole`` cut row-wise over 2 ranks, as 2D holds a table (a DTensor over TorchRec's local
+    shards): rows 0-19 here, rows 20-39 on a rank 1 that this one-process test does not have."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchrec.distributed.shards_wrapper import LocalShardsWrapper
+
+    half = whole.shape[0] // 2
+    local = LocalShardsWrapper([whole[:half].clone()], [(0, 0)])
+    return DTensor.from_local(local, init_device_mesh("cpu", (1,)), [Replicate()], run_check=False,
+                              shape=whole.shape, stride=whole.stride())
+
+
+def test_a_restore_opens_only_the_delta_files_whose_rows_reach_its_shards_in_any_layout(tmp_path, one_rank):
+    g = torch.Generator().manual_seed(2)
+    old = torch.randn(40, 6, generator=g)
+    new = old.clone()
+    new[[3, 12, 31]] = torch.randn(3, 6, generator=g)
+    index = {}
+    for rank, (lo, hi) in enumerate(((0, 20), (20, 40))):  # two ranks, one row-wise shard of 20 rows each
+        before, after = sharded(old[lo:hi], [0], [0]), sharded(new[lo:hi], [0], [0])
+        records, _, _ = delta.diff({"model": {"t": after}}, {id(after): before})
+        for r in records:
+            r.rows, r.offsets = r.rows + lo, (lo, 0)
+        delta.write(records, tmp_path, rank)
+        index[delta.DELTA_FILE.format(rank=rank)] = delta.spans(records)
+    assert index == {"delta-rank00000.pt": [[["model", "t"], 3, 13, 0, 6]],
+                     "delta-rank00001.pt": [[["model", "t"], 31, 32, 0, 6]]}
+    (tmp_path / "delta-rank00001.pt").write_bytes(b"not a delta")  # opened, it would fail to load
+
+    mine = first_half_of_two_ranks(old)  # rank 0 of the same layout: its own file only
+    assert delta.apply(delta.read(tmp_path, index, {"model": {"t": mine}}), {"model": {"t": mine}}) == 2
+    assert torch.equal(mine._local_tensor.local_shards()[0], new[:20])
+    with pytest.raises(RuntimeError, match="zip"):  # a shard reaching into rank 1's rows, or no index: it is opened
+        list(delta.read(tmp_path, index, {"model": {"t": sharded(old, [0, 30], [0])}}))
+    with pytest.raises(RuntimeError, match="zip"):
+        list(delta.read(tmp_path))
+    assert not delta.reaches([["model", "t"], 31, 32, 0, 6], {"model": {"other": mine}})  # a key it does not hold
+    assert delta.reaches([["model", "t"], 31, 32, 0, 6], {"model": {"t": old.clone()}})  # held whole: every row
+
+
 class Saves:
     """AsyncCheckpoint's writing path without a Trainer: the stager and the writer, one save at a time."""
 
@@ -185,3 +226,26 @@ def test_a_delta_whose_base_was_replaced_or_deleted_is_not_complete_and_says_whi
     assert fmt.verify(four) == "the checkpoint it builds on, step-000000002, is missing"
     with pytest.warns(UserWarning, match="step-000000002, is missing"):
         assert fmt.newest_complete(tmp_path) is None
+
+
+def test_a_chain_grows_while_its_estimated_restore_stays_within_one_and_a_half_full_restores():
+    from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, next_delta_budget
+
+    def deltas_before_a_full(full: int, delta_bytes: int, world: int) -> int:
+        chain = n = 0
+        while next_delta_budget(full, chain, n, world) >= delta_bytes:
+            chain, n = chain + delta_bytes, n + 1
+        return n
+
+    def estimated_restore(full: int, delta_bytes: int, n: int, world: int) -> float:  # in full restores
+        return 1 + n * (delta_bytes + DELTA_OPEN_BYTES_PER_RANK * world) / full
+
+    mib = 1 << 20
+    for full, delta_bytes, world in ((2048 * mib, 41 * mib, 2), (2048 * mib, 1 * mib, 2), (64 * 1024 * mib, 900 * mib, 64)):
+        n = deltas_before_a_full(full, delta_bytes, world)
+        assert n >= 1
+        assert estimated_restore(full, delta_bytes, n, world) <= 1.5 < estimated_restore(full, delta_bytes, n + 1, world)
+    assert deltas_before_a_full(2048 * mib, 41 * mib, 2) == 14  # the benchmark's Zipf stream, a save every 50 steps
+    assert deltas_before_a_full(2048 * mib, 1 * mib, 2) == 31  # tiny deltas: bounded by their count, not their bytes
+    assert deltas_before_a_full(32 * mib, 0, 2) == 0  # small tables: a full save is cheap, every save is full
+    assert next_delta_budget(0, 0, 0, 2) < 0  # no full save yet
