@@ -22,7 +22,7 @@ from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, CadenceTracker, estimate_mtbf_s
-from lightning_ett.checkpoint.chain import next_delta_budget
+from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, next_delta_budget
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
@@ -128,7 +128,7 @@ class AsyncCheckpoint(Checkpoint):
             (default) until the benchmark settles it (see
             ``benchmarks/README.md``).
         full_every_n_saves: with ``incremental``: every N-th save is full, whatever the chain's
-            size (``None``: by the measured size, as above).
+            size (``None``: by the estimated restore time, as above).
 
     ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
     write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``,
@@ -209,6 +209,8 @@ class AsyncCheckpoint(Checkpoint):
         # rank 0: the chain since the last full save, from committed results (a restart starts with a full save)
         self._full_bytes = 0
         self._chain_bytes = 0
+        self._last_delta_bytes = 0
+        self._said_no_delta = False
         self._deltas_in_chain = 0
         # resumable state
         self.last_saved_step = -1
@@ -263,7 +265,7 @@ class AsyncCheckpoint(Checkpoint):
         self._group = group
         self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
                                         device=trainer.strategy.root_device)
-        self._full_bytes = self._chain_bytes = self._deltas_in_chain = 0
+        self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
         if self.incremental and not collective:
             rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
                            "tables, so every save is full. Incremental saves need ETTStrategy.")
@@ -523,7 +525,19 @@ class AsyncCheckpoint(Checkpoint):
             return True  # rank 0 decides the chain's length; its "full" wins in the agreement
         if self.full_every_n_saves is not None:
             return self._deltas_in_chain + 1 < self.full_every_n_saves
-        return self._delta_budget(trainer) > 0
+        return self._delta_budget(trainer) > self._last_delta_bytes  # the next one as big as the last: else full now
+
+    def _say_if_never_a_delta(self, trainer: pl.Trainer) -> None:
+        """Once: with ``incremental`` and tables this small every save is full (``chain.next_delta_budget``)."""
+        if (self.incremental and self.full_every_n_saves is None and not self._said_no_delta
+                and self._delta_budget(trainer) <= 0):
+            self._said_no_delta = True
+            rank_zero_info(
+                f"AsyncCheckpoint(incremental=True): every save will be full: a full save here is "
+                f"{self._full_bytes / 2**20:.0f} MiB over {trainer.world_size} ranks, and a chain is kept to what "
+                f"restores in 1.5 full restores, counting {DELTA_OPEN_BYTES_PER_RANK >> 20} MiB per rank for each "
+                "delta's files (on tables this small a full save is cheap). full_every_n_saves=N forces deltas; "
+                "incremental=False frees the second staging copy of the tables.")
 
     def _delta_budget(self, trainer: pl.Trainer) -> float:
         """Rank 0: the bytes of rows the next delta may hold before the chain outgrows its bound (inf: no bound)."""
@@ -580,11 +594,13 @@ class AsyncCheckpoint(Checkpoint):
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
                    "checkpoint/overlapped_bytes": float(result.overlapped_bytes)}
         if result.incremental:
-            self._chain_bytes += result.bytes
+            self._chain_bytes += result.delta_bytes  # (its dense state: a restore reads only the newest delta's)
             self._deltas_in_chain += 1
+            self._last_delta_bytes = result.delta_bytes
             metrics["checkpoint/rows_changed_fraction"] = result.rows_changed / max(result.rows_compared, 1)
         else:
             self._full_bytes, self._chain_bytes, self._deltas_in_chain = result.bytes, 0, 0
+            self._say_if_never_a_delta(trainer)
         metrics["checkpoint/incremental"] = float(result.incremental)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
         metrics["checkpoint/save_cost_s"] = cost

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ett.checkpoint import dcp_io, delta
-from lightning_ett.checkpoint.layout import chain_of, delta_index, tracked_keys
+from lightning_ett.checkpoint.layout import chain_of, tracked_keys
 
 
 def load_into(target: dict[str, Any], path: Path) -> None:
@@ -41,7 +41,7 @@ def load_into(target: dict[str, Any], path: Path) -> None:
         dcp_io.load_into(own, members[-1])
         _merge(target, own)  # non-tensor leaves (param groups) come back as new objects
     for member in members[1:]:
-        delta.apply(delta.read(member, delta_index(member), target), target)
+        delta.apply(delta.read(member, delta.read_index(member), target), target)
 
 
 def read_whole(path: Path, key: str) -> dict[str, Any]:
@@ -66,10 +66,12 @@ def read_whole(path: Path, key: str) -> dict[str, Any]:
 #: A chain is kept to what restores in this fraction of a full restore's time more: a restore from any of its
 #: checkpoints takes at most ~1.5 full restores (#34's bound).
 MAX_EXTRA_RESTORE = 0.5
-#: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest, its file
-#: opened and parsed, each record found (measured: ~14 ms a delta on 2 CPU ranks, whose full save reads at ~1.5 GB/s
-#: a rank; benchmarks/README.md, "Restore against chain length"). Its rows cost what a full save's do.
-DELTA_OPEN_BYTES_PER_RANK = 16 << 20
+#: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest and
+#: index read, its file opened and parsed, its rows scattered into the tables. Measured on 2 CPU ranks
+#: (``benchmarks/incremental_job.py --restore``, 2026-12-05): a full save of 1 GiB a rank restores in 0.61 s warm /
+#: 0.97 s cold, and each delta of 19 MB a rank adds 0.025 s warm / 0.038 s cold, ~22 MiB of a full save's reading
+#: beyond its own bytes. Its rows count at a full save's rate.
+DELTA_OPEN_BYTES_PER_RANK = 24 << 20
 
 
 def next_delta_budget(full_bytes: int, chain_bytes: int, deltas: int, world_size: int) -> float:

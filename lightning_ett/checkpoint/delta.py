@@ -22,6 +22,7 @@ the temporary masks stay small) and a second set of staging buffers for the shar
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,10 @@ DELTA_FILE = "delta-rank{rank:05d}.pt"
 DELTA_GLOB = "delta-rank*.pt"
 _FORMAT = 1
 _CHUNK_BYTES = 64 << 20  # rows compared per pass: bounds the temporary mask memory
+#: dtypes CPU ``index_copy_`` lacks (torch 2.x): pasted by indexed assignment instead
+_NO_INDEX_COPY = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                              "float8_e5m2fnuz") if hasattr(torch, name))
+INDEX_FILE = "delta-index.json"
 
 
 KeyPath = tuple[str, ...]
@@ -87,7 +92,10 @@ def shards_with_offsets(leaf: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]
     if isinstance(leaf, ShardedTensor):
         return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in leaf.local_shards()]
     local = leaf._local_tensor
-    return [(t, tuple(o)) for t, o in zip(local.local_shards(), local.local_offsets(), strict=True)]
+    shards = local.local_shards()
+    if not shards:  # 2D, a table this rank holds no shard of: TorchRec's empty wrapper still lists one offset
+        return []
+    return [(t, tuple(o)) for t, o in zip(shards, local.local_offsets(), strict=True)]
 
 
 def sharded_leaves(state: Any, prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
@@ -180,7 +188,7 @@ def write(records: list[RowRecord], directory: Path, rank: int) -> dict[str, tup
 def spans(records: list[RowRecord]) -> list[list[Any]]:
     """Where each record lies, for the manifest's index: ``[key path, first row, end row, first column, end column]``
     (columns ``-1, -1`` for a 1-D tensor). A restore opens only the files whose records reach the shards it holds
-    (:func:`reaches`): with N ranks, one file per delta instead of N for a rank restoring its own layout."""
+    (:class:`Holdings`): with N ranks, one file per delta instead of N for a rank restoring its own layout."""
     out: list[list[Any]] = []
     for r in records:
         if r.rows is None:
@@ -195,32 +203,78 @@ def spans(records: list[RowRecord]) -> list[list[Any]]:
     return out
 
 
-def reaches(span: list[Any], target: dict[str, Any]) -> bool:
-    """Would a record at ``span`` (see :func:`spans`) write anything into ``target``, as :func:`apply` applies it?"""
-    key, lo, hi, first, end = tuple(span[0]), *span[1:]
-    leaf = leaf_at(target, key)
-    if leaf is None:
-        return False
-    if not is_sharded(leaf):
-        return isinstance(leaf, torch.Tensor)  # held whole (a table now data-parallel): every row lands
-    for shard, offsets in shards_with_offsets(leaf):
-        rows_meet = shard.dim() > 0 and offsets[0] < hi and lo < offsets[0] + shard.shape[0]
-        columns_meet = first < 0 or shard.dim() < 2 or (offsets[1] < end and first < offsets[1] + shard.shape[1])
-        if rows_meet and columns_meet:
+class Holdings:
+    """What a restore target holds, by key path, for :meth:`reaches`: built once per target, so that
+    checking the index costs a dict lookup per span, however many ranks wrote the delta."""
+
+    def __init__(self, target: dict[str, Any]) -> None:
+        self.whole: set[KeyPath] = set()  # held unsharded (a table now data-parallel): every row lands
+        self.shards: dict[KeyPath, list[tuple[int, int, int, int]]] = {}  # rows [lo, hi), columns [lo, hi) (-1: 1-D)
+        for key, leaf in _leaves(target):
+            if is_sharded(leaf):
+                self.shards[key] = [
+                    (o[0], o[0] + t.shape[0], *((o[1], o[1] + t.shape[1]) if t.dim() > 1 else (-1, -1)))
+                    for t, o in shards_with_offsets(leaf) if t.dim() > 0]
+            elif isinstance(leaf, torch.Tensor):
+                self.whole.add(key)
+
+    def reaches(self, span: list[Any]) -> bool:
+        """Would a record at ``span`` (see :func:`spans`) write anything here, as :func:`apply` applies it?"""
+        key, lo, hi, first, end = tuple(span[0]), *span[1:]
+        if key in self.whole:
             return True
-    return False
+        return any(r0 < hi and lo < r1 and (first < 0 or c0 < 0 or (c0 < end and first < c1))
+                   for r0, r1, c0, c1 in self.shards.get(key, ()))
+
+
+def _leaves(state: Any, prefix: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
+    """(key path, leaf) of every leaf of a nested dict state; a sharded tensor is a leaf."""
+    if isinstance(state, dict) and not is_sharded(state):
+        for key, value in state.items():
+            yield from _leaves(value, (*prefix, str(key)))
+    else:
+        yield prefix, state
+
+
+def write_index(index: dict[str, list[list[Any]]], directory: Path) -> dict[str, tuple[int, int]]:
+    """Rank 0: every rank's file's spans (see :func:`spans`) as ``delta-index.json``, each key path stored once;
+    returns its (size, CRC-32). A file of its own, not the manifest: retention and verification parse
+    every kept manifest, and the index grows with ranks x tables."""
+    keys: dict[tuple[str, ...], int] = {}
+    files = {name: [[keys.setdefault(tuple(span[0]), len(keys)), *span[1:]] for span in where]
+             for name, where in index.items()}
+    path = directory / INDEX_FILE
+    with open(path, "wb") as raw:
+        summing = ChecksummingWriter(raw)
+        summing.write(json.dumps({"format": _FORMAT, "keys": [list(k) for k in keys], "files": files},
+                                 separators=(",", ":")).encode())
+    return {path.name: summing.checksum} if summing.checksum is not None else {}
+
+
+def read_index(directory: Path) -> dict[str, list[list[Any]]] | None:
+    """The spans of every rank's file of one incremental save (``None``: no index: every file is read)."""
+    try:
+        saved = json.loads((directory / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
+        return None
+    keys = saved["keys"]
+    return {name: [[keys[k], *rest] for k, *rest in where] for name, where in saved["files"].items()}
 
 
 def read(directory: Path, index: dict[str, Any] | None = None, target: dict[str, Any] | None = None
          ) -> Iterator[RowRecord]:
     """Every rank's records of one incremental save (memory-mapped: only the rows applied are read).
 
-    With the manifest's ``index`` and the ``target`` they will be applied to, a file whose records
-    reach none of the target's shards is not opened (a file the index does not list always is).
+    With the checkpoint's ``index`` (:func:`read_index`) and the ``target`` they will be applied to, a
+    file whose records reach none of the target's shards is not opened (a file the index does not list
+    always is).
     """
+    holdings = Holdings(target) if index is not None and target is not None else None
     for path in sorted(directory.glob(DELTA_GLOB)):
-        where = index.get(path.name) if index is not None and target is not None else None
-        if isinstance(where, list) and not any(reaches(span, target) for span in where):
+        where = index.get(path.name) if holdings is not None and index is not None else None
+        if isinstance(where, list) and holdings is not None and not any(holdings.reaches(span) for span in where):
             continue
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if saved.get("format") != _FORMAT:
@@ -264,7 +318,11 @@ def _paste(target: torch.Tensor, target_offsets: tuple[int, ...], record: RowRec
         if not pick.numel():
             return 0
         local, values = local[pick], values[pick]
-    target.index_copy_(0, local.to(target.device), values.to(target.device, target.dtype))
+    local, values = local.to(target.device), values.to(target.device, target.dtype)
+    if target.dtype in _NO_INDEX_COPY:
+        target[local] = values
+    else:
+        target.index_copy_(0, local, values)
     return int(local.numel())
 
 

@@ -93,13 +93,6 @@ def tracked_keys(path: Path) -> set[tuple[str, ...]]:
     return {tuple(key) for key in (read_manifest(path, FORMAT) or {}).get("tracked") or []}
 
 
-def delta_index(path: Path) -> dict[str, Any] | None:
-    """An incremental checkpoint's index of its delta files (``{file: spans}``, see ``delta.spans``); ``None`` if it
-    has none (a full one, or written before the index): then a restore reads every file."""
-    index = (read_manifest(path, FORMAT) or {}).get("index")
-    return index if isinstance(index, dict) else None
-
-
 def chain_of(path: Path) -> list[Path]:
     """The directories to restore ``path`` from, its full save first and ``path`` last (``[path]`` for a full one)."""
     return [path.parent / link["name"] for link in chain_links(read_manifest(path, FORMAT) or {})] + [path]

@@ -67,6 +67,7 @@ class WriteResult:
     incremental: bool = False  # a delta: the sharded tensors' changed rows only
     rows_changed: int = 0  # (all ranks, deltas only) rows written of the rows compared
     rows_compared: int = 0
+    delta_bytes: int = 0  # (deltas only) its row files and their index: what a restore of a chain reads of it
 
     @property
     def blocked_s(self) -> float:
@@ -255,12 +256,12 @@ class CheckpointWriter:
                 remove_path(tmp)  # changed before it was copied (on some rank): AsyncCheckpoint saves the next step
             return _VOID
         error: str | None = None
-        nbytes = 0
+        nbytes = delta_bytes = 0
         if delay := _write_delay(snapshot.previous is not None):
             time.sleep(delay)  # data files written, not committed: where a crash hurts most
         if self.rank == 0:
             try:
-                nbytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums, delta_fields)
+                nbytes, delta_bytes = self._commit(tmp, final, snapshot.state["meta"], step, checksums, delta_fields)
             except Exception as e:
                 error = explain(e, tmp)
                 discard_unfinished(tmp)
@@ -274,15 +275,15 @@ class CheckpointWriter:
         if self.rank != 0:
             return None
         return WriteResult(step, final, time.perf_counter() - start, nbytes, boundary_s, snapshot.settle_wait_s,
-                           snapshot.late_bytes, incremental, *rows)
+                           snapshot.late_bytes, incremental, *rows, delta_bytes)
 
     def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None
                     ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]], dict[str, Any] | None]:
         """This rank's changed rows into ``tmp``, then one agreement of every rank: all fine and within ``budget``?
 
-        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum, the
-        manifest's delta fields: ``tracked``, the row-tracked tensors' key paths of every rank (each rank
-        holds its own tables' optimizer state), and ``index``, where each rank's file's records lie
+        Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum, and
+        on rank 0 the delta's fields: ``tracked``, the row-tracked tensors' key paths of every rank (each
+        rank holds its own tables' optimizer state), and ``index``, where each rank's file's records lie
         (:func:`delta.spans`), so that a restore opens only the files that hold its rows).
         The agreement comes before DCP's collective write, so a rank that failed here (out of
         memory, disk full) fails the save on every rank instead of leaving them in the collective;
@@ -298,20 +299,26 @@ class CheckpointWriter:
             del records  # the gathered rows: freed before DCP's write
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
             error = explain(e, tmp)
-        mine = sorted(list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"]))
-        ours = (error, nbytes, mine, self.rank, spans)
-        everyone: list[Any] = [ours]
+        everyone: list[Any] = [(error, nbytes)]
         if self.collective and self.group is not None:
             everyone = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(everyone, ours, group=self.group)
-        failed = [(rank, said) for said, _, _, rank, _ in everyone if said is not None]
+            dist.all_gather_object(everyone, (error, nbytes), group=self.group)
+        failed = [(rank, said) for rank, (said, _) in enumerate(everyone) if said is not None]
         if failed:
             raise CheckpointWriteError(f"rank {failed[0][0]} could not write its rows: {failed[0][1]}")
-        if budget is not None and sum(n for _, n, *_ in everyone) > budget:
+        if budget is not None and sum(n for _, n in everyone) > budget:
             (tmp / delta.DELTA_FILE.format(rank=self.rank)).unlink(missing_ok=True)
             return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
-        tracked = sorted({tuple(key) for _, _, keys, _, _ in everyone for key in keys})
-        index = {delta.DELTA_FILE.format(rank=rank): where for _, _, _, rank, where in everyone}
+        # Rank 0 alone writes the manifest and the index: only it gets every rank's keys and spans.
+        ours = (sorted(list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"])), self.rank, spans)
+        gathered: list[Any] | None = [ours]
+        if self.collective and self.group is not None:
+            gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+            dist.gather_object(ours, gathered, group=self.group, group_dst=0)
+        if gathered is None:
+            return True, rows, sums, {}
+        tracked = sorted({tuple(key) for keys, _, _ in gathered for key in keys})
+        index = {delta.DELTA_FILE.format(rank=rank): where for _, rank, where in gathered}
         return True, rows, sums, {"tracked": [list(key) for key in tracked], "index": index}
 
     def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]], rows: tuple[int, int]
@@ -328,21 +335,25 @@ class CheckpointWriter:
         return all(ok for ok, _, _ in everyone), merged, total
 
     def _commit(self, tmp: Path, final: Path, meta: dict[str, Any], step: int, checksums: dict[str, tuple[int, int]],
-                delta_fields: dict[str, Any] | None = None) -> int:
-        """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes.
+                delta_fields: dict[str, Any] | None = None) -> tuple[int, int]:
+        """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes, and that of its delta files.
 
         A delta (``delta_fields``: see :meth:`_write_rows`) names its chain in its manifest: the last
         checkpoint this writer committed and that one's chain.
         """
         is_delta = delta_fields is not None
         assert not is_delta or self._chain, "a delta needs a committed checkpoint to build on"
-        extra = {"kind": "delta", "chain": self._chain, **delta_fields} if delta_fields is not None else None
+        extra = None
+        if delta_fields is not None:
+            extra = {"kind": "delta", "chain": self._chain, "tracked": delta_fields["tracked"]}
+            checksums = {**checksums, **delta.write_index(delta_fields["index"], tmp)}
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
         manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, extra=extra)
         self._chain = [*(self._chain if is_delta else []), {"name": final.name, "seq": manifest["seq"]}]
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
-        return sum(f["bytes"] for f in manifest["files"].values())
+        files = manifest["files"]
+        return sum(f["bytes"] for f in files.values()), sum(f["bytes"] for n, f in files.items() if n.startswith("delta-"))
 
     def apply_retention_in_background(self) -> None:
         """Apply retention now, in a thread of its own (after ModelPublisher released a pinned checkpoint)."""

@@ -136,17 +136,20 @@ def test_a_chain_written_by_two_ranks_restores_on_one_rank(chain_run, tmp_path):
     assert assert_holds(facts["model"], ref["model"]) >= 4 and assert_holds(facts["fused"], ref["fused"]) >= 4
 
 
-def test_2d_writes_its_deltas_once_per_shard_and_a_1d_chain_restores_into_2d(chain_run, tmp_path):
-    # 2D (4 ranks, groups of 2, row-wise): its chain equals its full save of the same step...
+def test_2d_table_wise_writes_its_deltas_once_per_shard_and_a_1d_chain_restores_into_2d_row_wise(chain_run, tmp_path):
+    # 2D (4 ranks, groups of 2, table-wise: each rank holds no shard of the tables its group peer holds): its chain
+    # equals its full save of the same step...
     out = tmp_path / "2d"
-    two_d = ["--sharding-type", "row_wise", "--sharding-group-size", "2"]
-    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", "4", "--max-steps", "7", *two_d, *CHAIN,
+    table_wise_2d = ["--sharding-type", "table_wise", "--sharding-group-size", "2"]
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", "4", "--max-steps", "7", *table_wise_2d,
+                  *CHAIN,
                   "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "7", run_dir=out / "ett", devices=4, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert manifest(step_dir(out / "ckpt", 7))["kind"] == "delta"
     assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 7))) >= 12
-    # ... and the 1D chain (2 ranks, table-wise) restores into this 2D layout as its full save would.
-    facts = load_only(tmp_path / "load", step_dir(chain_run / "ckpt", 7), 4, *two_d)
+    # ... and the 1D chain (2 ranks, table-wise) restores into a 2D row-wise layout as its full save would.
+    facts = load_only(tmp_path / "load", step_dir(chain_run / "ckpt", 7), 4, "--sharding-type", "row_wise",
+                      "--sharding-group-size", "2")
     ref = whole(chain_run / "ref")
     for rank in facts:
         assert assert_holds(rank["model"], ref["model"]) >= 4 and assert_holds(rank["fused"], ref["fused"]) >= 4
