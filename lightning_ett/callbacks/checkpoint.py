@@ -123,8 +123,9 @@ class AsyncCheckpoint(Checkpoint):
             and a fixed cost per delta (its files opened and parsed: many tiny deltas restore
             slowly too, and on small tables a full save is cheap anyway; see
             ``chain.next_delta_budget``). Peak host
-            memory while a delta is written: the changed rows gathered, at most about half the
-            tables (a shard with more changed rows is written whole, not gathered). ``False``
+            memory while a delta is written: the changed rows gathered, at most about the size of
+            the tables (a shard whose changed rows with their numbers would outweigh it is written
+            whole, not gathered). ``False``
             (default) until the benchmark settles it (see
             ``benchmarks/README.md``).
         full_every_n_saves: with ``incremental``: every N-th save is full, whatever the chain's
@@ -527,10 +528,20 @@ class AsyncCheckpoint(Checkpoint):
             return self._deltas_in_chain + 1 < self.full_every_n_saves
         return self._delta_budget(trainer) > self._last_delta_bytes  # the next one as big as the last: else full now
 
+    def _count_in_chain(self, result: WriteResult) -> None:
+        """Rank 0: what the chain's restore bound counts (``chain.next_delta_budget``): a full save starts a chain;
+        a delta adds its files (its dense state does not count: a restore reads only the newest delta's)."""
+        if result.incremental:
+            self._chain_bytes += result.delta_bytes
+            self._deltas_in_chain += 1
+            self._last_delta_bytes = result.delta_bytes
+        else:
+            self._full_bytes, self._chain_bytes, self._deltas_in_chain, self._last_delta_bytes = result.bytes, 0, 0, 0
+
     def _say_if_never_a_delta(self, trainer: pl.Trainer) -> None:
         """Once: with ``incremental`` and tables this small every save is full (``chain.next_delta_budget``)."""
         if (self.incremental and self.full_every_n_saves is None and not self._said_no_delta
-                and self._delta_budget(trainer) <= 0):
+                and self._writer is not None and self._writer.collective and self._delta_budget(trainer) <= 0):
             self._said_no_delta = True
             rank_zero_info(
                 f"AsyncCheckpoint(incremental=True): every save will be full: a full save here is "
@@ -593,13 +604,10 @@ class AsyncCheckpoint(Checkpoint):
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
                    "checkpoint/overlapped_bytes": float(result.overlapped_bytes)}
+        self._count_in_chain(result)
         if result.incremental:
-            self._chain_bytes += result.delta_bytes  # (its dense state: a restore reads only the newest delta's)
-            self._deltas_in_chain += 1
-            self._last_delta_bytes = result.delta_bytes
             metrics["checkpoint/rows_changed_fraction"] = result.rows_changed / max(result.rows_compared, 1)
         else:
-            self._full_bytes, self._chain_bytes, self._deltas_in_chain = result.bytes, 0, 0
             self._say_if_never_a_delta(trainer)
         metrics["checkpoint/incremental"] = float(result.incremental)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already

@@ -39,9 +39,7 @@ DELTA_FILE = "delta-rank{rank:05d}.pt"
 DELTA_GLOB = "delta-rank*.pt"
 _FORMAT = 1
 _CHUNK_BYTES = 64 << 20  # rows compared per pass: bounds the temporary mask memory
-#: dtypes CPU ``index_copy_`` lacks (torch 2.x): pasted by indexed assignment instead
-_NO_INDEX_COPY = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                              "float8_e5m2fnuz") if hasattr(torch, name))
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype per element size
 INDEX_FILE = "delta-index.json"
 
 
@@ -155,7 +153,7 @@ def diff(current: dict[str, Any], previous: dict[int, Any]) -> tuple[list[RowRec
     """The records of every sharded leaf of ``current`` against its previous copy (``previous[id(leaf)]``).
 
     Returns the records, the rows that changed and the rows compared. Peak memory: the changed
-    rows gathered, which whole-shard records bound to about half the sharded state.
+    rows gathered, which whole-shard records bound to about the sharded state's size.
     """
     records: list[RowRecord] = []
     compared = changed = 0
@@ -186,7 +184,8 @@ def write(records: list[RowRecord], directory: Path, rank: int) -> dict[str, tup
 
 
 def spans(records: list[RowRecord]) -> list[list[Any]]:
-    """Where each record lies, for the manifest's index: ``[key path, first row, end row, first column, end column]``
+    """Where each record lies, for the checkpoint's index (:func:`write_index`):
+    ``[key path, first row, end row, first column, end column]``
     (columns ``-1, -1`` for a 1-D tensor). A restore opens only the files whose records reach the shards it holds
     (:class:`Holdings`): with N ranks, one file per delta instead of N for a rank restoring its own layout."""
     out: list[list[Any]] = []
@@ -255,12 +254,12 @@ def read_index(directory: Path) -> dict[str, list[list[Any]]] | None:
     """The spans of every rank's file of one incremental save (``None``: no index: every file is read)."""
     try:
         saved = json.loads((directory / INDEX_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
-        return None
-    keys = saved["keys"]
-    return {name: [[keys[k], *rest] for k, *rest in where] for name, where in saved["files"].items()}
+        if saved.get("format") != _FORMAT:
+            return None
+        keys = saved["keys"]
+        return {name: [[keys[k], *rest] for k, *rest in where] for name, where in saved["files"].items()}
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None  # unreadable: every file is read
 
 
 def read(directory: Path, index: dict[str, Any] | None = None, target: dict[str, Any] | None = None
@@ -318,11 +317,9 @@ def _paste(target: torch.Tensor, target_offsets: tuple[int, ...], record: RowRec
         if not pick.numel():
             return 0
         local, values = local[pick], values[pick]
-    local, values = local.to(target.device), values.to(target.device, target.dtype)
-    if target.dtype in _NO_INDEX_COPY:
-        target[local] = values
-    else:
-        target.index_copy_(0, local, values)
+    values = values.to(target.device, target.dtype)
+    bits = _BITS[target.element_size()]  # copied as bits: every dtype (float8, float4 too), bit for bit as diffed
+    target.view(bits).index_copy_(0, local.to(target.device), values.view(bits))
     return int(local.numel())
 
 

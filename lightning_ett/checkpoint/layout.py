@@ -18,7 +18,8 @@ the newest; ``trainer.save_checkpoint`` keeps the name it is given.
 
 An *incremental* checkpoint (``AsyncCheckpoint(incremental=True)``) holds the dense state in
 full and, in ``delta-rank<r>.pt``, only the rows of the sharded tensors that changed since the
-previous checkpoint (:mod:`lightning_ett.checkpoint.delta`). Its manifest names its *chain*:
+previous checkpoint (:mod:`lightning_ett.checkpoint.delta`), and in ``delta-index.json`` where each
+rank's file's rows lie (a restore opens only the files it needs). Its manifest names its *chain*:
 the full checkpoint it builds on and every delta between, each with its commit number. It is
 complete only if every member of its chain is still there, unchanged (same commit number) and
 complete itself: a corrupt or missing delta makes every later one of its chain incomplete, so

@@ -21,7 +21,8 @@ Order of a save of step ``s`` (names from :mod:`lightning_ett.checkpoint.layout`
    each file; rank 0 writes ``.metadata`` after all ranks have written); wait for the training
    thread's verdict on the snapshot and agree that no rank's is void (a void one is deleted,
    never committed);
-2. rank 0: ``lightning.pt`` (write, fsync), ``manifest.json`` with sizes and CRC-32s (fsync),
+2. rank 0: ``lightning.pt`` (write, fsync), for a delta ``delta-index.json`` (where each rank's
+   rows lie), ``manifest.json`` with sizes and CRC-32s (fsync),
    rename ``step-<s>.tmp`` → ``step-<s>``, fsync the parent, replace ``latest``, delete the
    oldest checkpoints beyond ``keep_last_n`` — only ever older than the one just committed;
 3. rank 0 tells every rank whether the commit succeeded, so a failure raises everywhere.
@@ -36,6 +37,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -313,7 +315,7 @@ class CheckpointWriter:
         ours = (sorted(list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"])), self.rank, spans)
         gathered: list[Any] | None = [ours]
         if self.collective and self.group is not None:
-            gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+            gathered = [None] * dist.get_world_size(self.group) if dist.get_rank(self.group) == 0 else None
             dist.gather_object(ours, gathered, group=self.group, group_dst=0)
         if gathered is None:
             return True, rows, sums, {}
@@ -353,7 +355,8 @@ class CheckpointWriter:
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
         files = manifest["files"]
-        return sum(f["bytes"] for f in files.values()), sum(f["bytes"] for n, f in files.items() if n.startswith("delta-"))
+        return sum(f["bytes"] for f in files.values()), sum(f["bytes"] for n, f in files.items()
+                                                          if fnmatch(n, delta.DELTA_GLOB) or n == delta.INDEX_FILE)
 
     def apply_retention_in_background(self) -> None:
         """Apply retention now, in a thread of its own (after ModelPublisher released a pinned checkpoint)."""

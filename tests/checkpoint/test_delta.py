@@ -270,3 +270,29 @@ def test_a_chain_grows_while_its_estimated_restore_stays_within_one_and_a_half_f
     assert deltas_before_a_full(2048 * mib, 1 * mib, 2) == 20  # tiny deltas: bounded by their count, not their bytes
     assert deltas_before_a_full(90 * mib, 0, 2) == 0  # small tables: a full save is cheap, every save is full
     assert next_delta_budget(0, 0, 0, 2) < 0  # no full save yet
+
+
+def test_asynccheckpoint_counts_a_chain_by_its_delta_files_and_goes_full_before_a_delta_that_would_not_fit(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_ett import AsyncCheckpoint
+    from lightning_ett.checkpoint.writer import WriteResult
+
+    mib = 1 << 20
+    checkpoint = AsyncCheckpoint(tmp_path, every_n_train_steps=1, incremental=True)
+    checkpoint._stager = SimpleNamespace(has_base=True)
+    trainer = SimpleNamespace(world_size=2, is_global_zero=True)
+
+    def saved(incremental: bool, total: int, delta_files: int = 0) -> None:
+        checkpoint._count_in_chain(WriteResult(1, tmp_path, 1.0, total, 0.0, incremental=incremental,
+                                               delta_bytes=delta_files))
+
+    saved(False, 2048 * mib)
+    kinds = []
+    for _ in range(14):  # deltas of 41 MiB of rows in 300 MiB checkpoints (their dense state does not count)
+        kinds.append("delta" if checkpoint._delta_due(trainer) else "full")
+        saved(kinds[-1] == "delta", 300 * mib if kinds[-1] == "delta" else 2048 * mib, 41 * mib)
+    assert kinds == ["delta"] * 11 + ["full"] + ["delta"] * 2  # 11 fit in 1.5 full restores; a full save restarts
+    saved(True, 1100 * mib, 1000 * mib)  # an outsized delta (a burst of changed rows)...
+    saved(False, 2048 * mib)
+    assert checkpoint._delta_due(trainer)  # ... says nothing about the next chain
