@@ -103,19 +103,29 @@ def report_policies(stream: str, every: int, runs: list[dict]) -> None:
 
 
 def report_restores(runs: list[dict]) -> None:
+    """Each chain's restore against its own full save's restore in the same job (the base it builds on), and against
+    the median of every full restore; per chain length, median (min-max) over the jobs."""
     print("\n== restore (cold, 2 ranks, slowest rank) against chain length: incremental arm, zipf, every 50, "
           "its own chain policy, every checkpoint of the window kept and restored ==")
     by_length: dict[int, list[float]] = {}
+    own_base: dict[int, list[float]] = {}
     full_s: list[float] = []
     for run in runs:
+        base = None
         for r in run["restores"]:
             by_length.setdefault(r["deltas"], []).append(r["seconds"])
             if r["deltas"] == 0:
                 full_s.append(r["seconds"])
+                base = r["seconds"]
+            elif base is not None:
+                own_base.setdefault(r["deltas"], []).append(r["seconds"] / base)
     full = statistics.median(full_s)
+    print(f"  every full restore: {', '.join(f'{s:.2f}' for s in full_s)} s")
     for length in sorted(by_length):
         ratio = median_range([s / full for s in by_length[length]], ".2f")
-        print(f"  full + {length:>2} deltas: {median_range(by_length[length], '.2f')} s  ({ratio} x a full restore)")
+        own = f"; x its own full save's restore {median_range(own_base[length], '.2f')}" if length in own_base else ""
+        print(f"  full + {length:>2} deltas: {median_range(by_length[length], '.2f')} s  ({ratio} x the median full "
+              f"restore{own})")
 
 
 def main() -> None:
@@ -144,6 +154,7 @@ def main() -> None:
     for r in range(args.rounds):
         restores.append(job("incremental", "zipf", 50, RESTORE_WINDOW, args.gib, base, "--restore"))
     report_restores(restores)
+    (base / "restores.json").write_text(json.dumps([r["restores"] for r in restores], indent=1))  # every job's raw figures
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 
