@@ -20,8 +20,8 @@ without saves (the step time to compare with), then WINDOW steps with saves. Ran
 training time they cost (window wall minus window steps x the baseline median step: blocked +
 slowdown, as checkpoint_cost.py defines it), and the fraction of rows each interval touched.
 
-``--restore``: keep every checkpoint and, after the window, time restoring each on every rank
-(page cache dropped first), with its chain length, after one untimed warm-up restore.
+``--restore``: keep every checkpoint and, after the window, time restoring each on every rank, 3 times
+cold (page cache dropped first) and 3 times warm, with its chain length, after one untimed warm-up restore.
 """
 
 from __future__ import annotations
@@ -194,31 +194,45 @@ class Driver(Callback):
             trainer.should_stop = True
 
 
+RESTORE_REPS = 3  # each checkpoint restored this many times, cold and warm: one restore's noise is a full restore's
+
+
 def restore_times(trainer: Trainer, root: Path) -> list[dict[str, Any]]:
-    """Every rank: restore each committed checkpoint (cold: its chain's pages dropped), slowest rank's seconds."""
+    """Every rank: restore each committed checkpoint RESTORE_REPS times cold (its chain's pages dropped), then as many
+    times warm; slowest rank's seconds, with its chain length and the full save it builds on.
+
+    Repeated, in a reversed order every other pass, because on this VM one cold restore of the same full save
+    varies by up to 1.6x from pass to pass (the host's own cache, the allocator after the previous restore), as
+    much as a whole chain adds; a single pass made chains of some lengths look slower than longer ones.
+    """
     from lightning_ett.checkpoint import layout as fmt
     from lightning_ett.checkpoint import sharded
     from lightning_ett.durable.manifest import drop_from_cache
 
     strategy = trainer.strategy
-    results = []
     entries = fmt.committed(root)
     sharded.load_model(entries[0].path, strategy.model)  # warm-up, not timed: the first load's one-time costs
     sharded.load_fused(entries[0].path, strategy.fused_optimizer_instance)
-    for entry in entries:
-        chain = fmt.chain_of(entry.path)
-        for member in chain:
-            for f in member.iterdir():
-                drop_from_cache(f)
-        dist.barrier()
-        t = time.perf_counter()
-        sharded.load_model(entry.path, strategy.model)
-        sharded.load_fused(entry.path, strategy.fused_optimizer_instance)
-        seconds = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        results.append({"step": entry.step, "deltas": len(chain) - 1, "seconds": float(seconds),
-                        "bytes": sum(directory_bytes(m) for m in chain)})
-    return results
+    results = {e.path.name: {"step": e.step, "deltas": len(fmt.chain_of(e.path)) - 1,
+                             "base": fmt.chain_of(e.path)[0].name, "cold": [], "warm": [],
+                             "bytes": sum(directory_bytes(m) for m in fmt.chain_of(e.path))} for e in entries}
+    for cold in (True, False):
+        for rep in range(RESTORE_REPS):
+            for entry in entries if rep % 2 == 0 else entries[::-1]:
+                chain = fmt.chain_of(entry.path)
+                for member in chain if cold else ():
+                    for f in member.iterdir():
+                        drop_from_cache(f)
+                if not cold and rep == 0:  # warm: read once untimed, so every page is cached
+                    sharded.load_model(entry.path, strategy.model)
+                dist.barrier()
+                t = time.perf_counter()
+                sharded.load_model(entry.path, strategy.model)
+                sharded.load_fused(entry.path, strategy.fused_optimizer_instance)
+                seconds = torch.tensor([time.perf_counter() - t])
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                results[entry.path.name]["cold" if cold else "warm"].append(float(seconds))
+    return list(results.values())
 
 
 def main() -> None:
