@@ -64,13 +64,16 @@ def read_whole(path: Path, key: str) -> dict[str, Any]:
 
 
 #: A chain is kept to what restores in this fraction of a full restore's time more: a restore from any of its
-#: checkpoints takes at most ~1.5 full restores (#34's bound).
+#: checkpoints is *estimated* to take at most ~1.5 full restores (#34's bound; the estimate is below).
 MAX_EXTRA_RESTORE = 0.5
 #: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest and
-#: index read, its file opened and parsed, its rows scattered into the tables. Measured on 2 CPU ranks
-#: (``benchmarks/incremental_job.py --restore``, 2026-12-05): a full save of 1 GiB a rank restores in 0.61 s warm /
-#: 0.97 s cold, and each delta of 19 MB a rank adds 0.025 s warm / 0.038 s cold, ~22 MiB of a full save's reading
-#: beyond its own bytes. Its rows count at a full save's rate.
+#: index read, its file opened and parsed, its rows scattered into the tables. Its rows count at a full save's
+#: rate. Calibrated from one ad-hoc profiling run on 2 CPU ranks (2026-12-05, not kept; warm and cold restores
+#: timed by hand): a full save of 1 GiB a rank restored in 0.61 s warm / 0.97 s cold, each delta of 19 MB a rank
+#: added 0.025 s warm / 0.038 s cold, ~24 MiB warm / ~22 MiB cold of a full save's reading beyond its own bytes.
+#: The benchmark's repeated restores (2026-12-05, 3 jobs x 3 repeats) agree: ~0.03 s a delta warm, 11 deltas at
+#: 1.46x warm / 1.44x cold (medians; one job 1.63x cold, where one restore of the same files varies 0.6-1.7x).
+#: No margin: a slower disk or file system may take more than the estimate says (``benchmarks/README.md``).
 DELTA_OPEN_BYTES_PER_RANK = 24 << 20
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, launch, rank_facts
 
+from lightning_ett.checkpoint import delta
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.chain import read_whole
 from lightning_ett.checkpoint.delta import DELTA_FILE
@@ -139,20 +140,34 @@ def test_a_chain_written_by_two_ranks_restores_on_one_rank(chain_run, tmp_path):
 def test_2d_table_wise_writes_its_deltas_once_per_shard_and_a_1d_chain_restores_into_2d_row_wise(chain_run, tmp_path):
     # 2D (4 ranks, groups of 2, table-wise: each rank holds no shard of the tables its group peer holds): its chain
     # equals its full save of the same step...
-    out = tmp_path / "2d"
-    table_wise_2d = ["--sharding-type", "table_wise", "--sharding-group-size", "2"]
-    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", "4", "--max-steps", "7", *table_wise_2d,
-                  *CHAIN,
-                  "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "7", run_dir=out / "ett", devices=4, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert manifest(step_dir(out / "ckpt", 7))["kind"] == "delta"
-    assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 7))) >= 12
+    assert_2d_chain_equals_its_full_save(tmp_path / "2d", "table_wise")
     # ... and the 1D chain (2 ranks, table-wise) restores into a 2D row-wise layout as its full save would.
     facts = load_only(tmp_path / "load", step_dir(chain_run / "ckpt", 7), 4, "--sharding-type", "row_wise",
                       "--sharding-group-size", "2")
     ref = whole(chain_run / "ref")
     for rank in facts:
         assert assert_holds(rank["model"], ref["model"]) >= 4 and assert_holds(rank["fused"], ref["fused"]) >= 4
+
+
+def test_2d_row_wise_writes_its_deltas_once_per_shard(tmp_path):
+    # Row-wise in 2D: each rank of a group holds a row block of every table, and its replica peer the same block.
+    assert_2d_chain_equals_its_full_save(tmp_path, "row_wise")
+
+
+def assert_2d_chain_equals_its_full_save(out: Path, sharding_type: str) -> None:
+    layout = ["--sharding-type", sharding_type, "--sharding-group-size", "2"]
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", "4", "--max-steps", "7", *layout,
+                  *CHAIN,
+                  "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "7", run_dir=out / "ett", devices=4, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert manifest(step_dir(out / "ckpt", 7))["kind"] == "delta"
+    assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 7))) >= 12
+    written: set[tuple] = set()  # once per shard: no row of a tensor's column block is in two ranks' files
+    for record in delta.read(step_dir(out / "ckpt", 7)):
+        for row in record.global_rows.tolist():
+            assert (record.key, record.offsets[1:], row) not in written, (record.key, row)
+            written.add((record.key, record.offsets[1:], row))
+    assert written
 
 
 def test_row_wise_tables_with_per_element_adagrad_resume_exactly_from_a_chain(tmp_path):
