@@ -213,14 +213,14 @@ def restore_times(trainer: Trainer, root: Path) -> list[dict[str, Any]]:
     entries = fmt.committed(root)
     sharded.load_model(entries[0].path, strategy.model)  # warm-up, not timed: the first load's one-time costs
     sharded.load_fused(entries[0].path, strategy.fused_optimizer_instance)
-    results = {e.path.name: {"step": e.step, "deltas": len(fmt.chain_of(e.path)) - 1,
-                             "base": fmt.chain_of(e.path)[0].name, "cold": [], "warm": [],
-                             "bytes": sum(directory_bytes(m) for m in fmt.chain_of(e.path))} for e in entries}
+    chains = {e.path.name: fmt.chain_of(e.path) for e in entries}  # each manifest read once, not per restore
+    results = {e.path.name: {"step": e.step, "deltas": len(chains[e.path.name]) - 1,
+                             "base": chains[e.path.name][0].name, "cold": [], "warm": [],
+                             "bytes": sum(directory_bytes(m) for m in chains[e.path.name])} for e in entries}
     for cold in (True, False):
         for rep in range(RESTORE_REPS):
             for entry in entries if rep % 2 == 0 else entries[::-1]:
-                chain = fmt.chain_of(entry.path)
-                for member in chain if cold else ():
+                for member in chains[entry.path.name] if cold else ():
                     for f in member.iterdir():
                         drop_from_cache(f)
                 if not cold and rep == 0:  # warm: read once untimed, so every page is cached
