@@ -73,13 +73,23 @@ class ShardedDLRM(LightningModule):
     sigterm_at: int | None = None
     kill_at: int | None = None
     kill_rank = 1
+    kill_when_writing = False
     fail_at: int | None = None
     step_sleep = 0.0
     dense_optimizer = "adam"
 
+    def kill_due(self) -> bool:
+        """At ``kill_at`` on ``kill_rank``; with ``kill_when_writing``, at the first step from then on at which this
+        rank's AsyncCheckpoint has a save in flight (a slow host may finish a save before a fixed step)."""
+        if self.kill_at is None or self.global_rank != self.kill_rank or self.global_step < self.kill_at:
+            return False
+        if not self.kill_when_writing:
+            return self.global_step == self.kill_at
+        return any(isinstance(c, AsyncCheckpoint) and c._writer is not None and c._writer.busy
+                   for c in self.trainer.callbacks)
+
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
-        if self.kill_at == self.global_step and self.global_rank == self.kill_rank \
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        if self.kill_due() and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)  # a crash on the first attempt only
@@ -155,6 +165,8 @@ def main() -> None:
     p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default="adam")
     p.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself at this step of attempt 0")
     p.add_argument("--kill-rank", type=int, default=1, help="with --kill-at: the rank that dies")
+    p.add_argument("--kill-when-writing", action="store_true",
+                   help="with --kill-at: die at the first step from then on with a save in flight")
     p.add_argument("--build-in-setup", action="store_true", help="build the tables in LightningModule.setup()")
     p.add_argument("--rank1-sharding-type", default=None, help="give rank 1 other constraints (plan disagreement)")
     p.add_argument("--async-every", type=int, default=0, help="AsyncCheckpoint every N steps into --ckpt-dir")
@@ -212,6 +224,7 @@ def main() -> None:
     model.dense_optimizer = args.dense_optimizer
     model.kill_at = args.kill_at
     model.kill_rank = args.kill_rank
+    model.kill_when_writing = args.kill_when_writing
     model.fail_at = args.fail_at
     model.step_sleep = args.step_sleep
     resume = args.resume
