@@ -33,6 +33,9 @@ def main() -> None:
     p.add_argument("--mtbf-hours", type=float, default=None, help="pack, --every auto: the MTBF (default: from the ledger)")
     p.add_argument("--publish", action="store_true", help="pack: add ModelPublisher(WORK/serving, submodule='model')")
     p.add_argument("--num-embeddings", type=int, default=20_000)
+    p.add_argument("--incremental", action="store_true", help="pack: AsyncCheckpoint(incremental=True)")
+    p.add_argument("--fresh-batches", action="store_true",
+                   help="every batch new (default: the data module cycles 10 batches, so saves see few changed rows)")
     p.add_argument("--no-dynamic-shapes", action="store_true",
                    help="pack: leave DynamicShapes out (e2e_ett.py: its batches are all one size, and the other "
                         "arms compile without it, so the pack must too for identical work)")
@@ -56,7 +59,7 @@ def main() -> None:
     if args.arm == "pack":
         strategy = ett_strategy()
         callbacks = [ETTMonitor(report_on_end=False),
-                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=1,
+                     AsyncCheckpoint(work / "ckpt", every_n_train_steps=args.every, keep_last_n=1, incremental=args.incremental,
                                      **({"mtbf_hours": args.mtbf_hours} if args.every == "auto" else {})),
                      CompileCache(args.compile_cache or work / "compile_cache"),
                      *([] if args.no_dynamic_shapes else [DynamicShapes()])]
@@ -78,7 +81,8 @@ def main() -> None:
                       callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0)
     model = DLRMModule(num_embeddings=args.num_embeddings, compile_dense=True)
-    data = RandomCriteoDataModule(batch_size=512, num_embeddings=args.num_embeddings)
+    data = RandomCriteoDataModule(batch_size=512, num_embeddings=args.num_embeddings,
+                                  num_generated_batches=-1 if args.fresh_batches else 10)
     ckpt_path = "last" if args.resume and (work / "ckpt" / "last.ckpt").exists() else None
     trainer.fit(model, data, ckpt_path=ckpt_path)
 

@@ -133,6 +133,7 @@ class RandomCriteoDataModule(LightningDataModule):
         num_train_batches: int = 100_000,
         num_val_batches: int = 20,
         seed: int = 0,
+        num_generated_batches: int = 10,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -147,6 +148,7 @@ class RandomCriteoDataModule(LightningDataModule):
             num_dense=len(DEFAULT_INT_NAMES),
             manual_seed=seed,
             num_batches=num_batches,
+            num_generated_batches=hp.num_generated_batches,  # cycled; -1: every batch new (a non-repeating stream)
         )
 
     def train_dataloader(self) -> DataLoader:
