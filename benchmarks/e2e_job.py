@@ -23,6 +23,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def zipf_data(data, rows: int, alpha: float):  # type: ignore[no-untyped-def]
+    """``data``'s training batches with each uniform id mapped through a Zipf law's inverse CDF (id_streams.py)."""
+    from torch.utils.data import DataLoader, IterableDataset
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from benchmarks.id_streams import ZipfLaw
+
+    law = ZipfLaw(rows, alpha)
+
+    class Zipfed(IterableDataset):
+        def __init__(self, inner: DataLoader) -> None:
+            self.inner = inner
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            for b in self.inner:
+                kjt = b.sparse_features
+                ids = KeyedJaggedTensor(keys=kjt.keys(), values=law.from_uniform_ids(kjt.values()), lengths=kjt.lengths())
+                yield Batch(dense_features=b.dense_features, sparse_features=ids, labels=b.labels)
+
+    uniform_loader = data.train_dataloader
+    data.train_dataloader = lambda: DataLoader(Zipfed(uniform_loader()), batch_size=None)
+    return data
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--arm", choices=["pack", "same", "vanilla"], required=True)
@@ -36,6 +61,8 @@ def main() -> None:
     p.add_argument("--incremental", action="store_true", help="pack: AsyncCheckpoint(incremental=True)")
     p.add_argument("--fresh-batches", action="store_true",
                    help="every batch new (default: the data module cycles 10 batches, so saves see few changed rows)")
+    p.add_argument("--zipf", type=float, default=None,
+                   help="ids from a truncated Zipf law of this exponent over each table (default: uniform)")
     p.add_argument("--no-dynamic-shapes", action="store_true",
                    help="pack: leave DynamicShapes out (e2e_ett.py: its batches are all one size, and the other "
                         "arms compile without it, so the pack must too for identical work)")
@@ -83,6 +110,8 @@ def main() -> None:
     model = DLRMModule(num_embeddings=args.num_embeddings, compile_dense=True)
     data = RandomCriteoDataModule(batch_size=512, num_embeddings=args.num_embeddings,
                                   num_generated_batches=-1 if args.fresh_batches else 10)
+    if args.zipf is not None:
+        data = zipf_data(data, args.num_embeddings, args.zipf)
     ckpt_path = "last" if args.resume and (work / "ckpt" / "last.ckpt").exists() else None
     trainer.fit(model, data, ckpt_path=ckpt_path)
 

@@ -4,11 +4,12 @@
 
 The reference job (benchmarks/e2e_job.py, pack arm, as cadence.py runs it: ETTStrategy table-wise
 with fused row-wise AdaGrad, ETTMonitor, AsyncCheckpoint keeping the last checkpoint, CompileCache
-warmed once, DynamicShapes) with two changes that give a delta something to skip: tables of
+warmed once, DynamicShapes) with changes that give a delta something to skip: tables of
 ``--num-embeddings`` rows (26 x 1M x 16 by default, 1.8 GB with their AdaGrad state: on the
-reference job's 20,000-row tables the chain policy makes every save full) and a non-repeating
-uniform id stream (``--fresh-batches``; the data module otherwise cycles 10 batches, which would
-flatter deltas). Uniform ids are the worst case for deltas. Arms, identical but for one flag:
+reference job's 20,000-row tables the chain policy makes every save full) and a non-repeating id
+stream (``--fresh-batches``; the data module otherwise cycles 10 batches, which would flatter
+deltas): Zipf of exponent 1.05 as in incremental_checkpoint.py (``--zipf``), or uniform, the worst
+case for deltas (``--zipf 0``). Arms, identical but for one flag:
 
 * **auto, full**: ``AsyncCheckpoint(every_n_train_steps="auto")``;
 * **auto, incremental**: the same with ``incremental=True``;
@@ -65,10 +66,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--num-embeddings", type=int, default=1_000_000)
+    p.add_argument("--zipf", type=float, default=1.05, help="the id stream's Zipf exponent; 0: uniform ids")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="write every run's figures here")
     args = p.parse_args()
-    job_args = ["--num-embeddings", str(args.num_embeddings), "--fresh-batches"]
+    job_args = ["--num-embeddings", str(args.num_embeddings), "--fresh-batches",
+                *(["--zipf", str(args.zipf)] if args.zipf > 0 else [])]
+    stream = f"Zipf {args.zipf:g}" if args.zipf > 0 else "uniform"
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         tmp = Path(d)
         cache = tmp / "compile_cache"
@@ -87,7 +91,7 @@ def main() -> None:
                       f"choices {res['choices']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"reference job, {args.steps} steps, tables of {args.num_embeddings} rows, fresh uniform ids, one kill per "
+    print(f"reference job, {args.steps} steps, tables of {args.num_embeddings} rows, fresh {stream} ids, one kill per "
           f"round; median (min-max) over {args.rounds} rounds")
     for key in ("lost_s", "ett_percent", "checkpoint_save_s", "checkpoint_load_s", "interval_steps", "save_cost_s"):
         cells = []

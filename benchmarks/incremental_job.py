@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from checkpoint_job import Saver, agree
+from id_streams import ZipfLaw
 
 TABLES, DIM, BATCH = 8, 64, 512
 WARMUP, BASELINE = 10, 40
@@ -58,18 +59,13 @@ class IdStream:
 
     def __init__(self, rows: int, stream: str, alpha: float) -> None:
         self.rows, self.stream = rows, stream
-        if stream == "zipf":
-            weights = torch.arange(1, rows + 1, dtype=torch.float64).pow(-alpha)
-            self.cdf = torch.cumsum(weights, 0)
-            self.cdf /= self.cdf[-1].clone()
-            self.where = torch.randperm(rows, generator=torch.Generator().manual_seed(0))  # hot rows anywhere
+        self.law = ZipfLaw(rows, alpha) if stream == "zipf" else None
 
     def ids(self, n: int, seed: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
-        if self.stream == "uniform":
+        if self.law is None:
             return torch.randint(0, self.rows, (n,), generator=g)
-        ranks = torch.searchsorted(self.cdf, torch.rand(n, generator=g, dtype=torch.float64)).clamp_(max=self.rows - 1)
-        return self.where[ranks]
+        return self.law.rows_for(torch.rand(n, generator=g, dtype=torch.float64))
 
 
 class Tables(LightningModule):
