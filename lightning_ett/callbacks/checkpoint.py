@@ -539,9 +539,16 @@ class AsyncCheckpoint(Checkpoint):
             self._full_bytes, self._chain_bytes, self._deltas_in_chain, self._last_delta_bytes = result.bytes, 0, 0, 0
 
     def _say_if_never_a_delta(self, trainer: pl.Trainer) -> None:
-        """Once: with ``incremental`` and tables this small every save is full (``chain.next_delta_budget``)."""
-        if (self.incremental and self.full_every_n_saves is None and not self._said_no_delta
-                and self._writer is not None and self._writer.collective and self._delta_budget(trainer) <= 0):
+        """Once: with ``incremental``, why every save is full — no sharded tables, or tables this small
+        (``chain.next_delta_budget``)."""
+        if not self.incremental or self._said_no_delta or self._writer is None or not self._writer.collective:
+            return
+        if not self._stager.holds_sharded:
+            self._said_no_delta = True
+            rank_zero_info("AsyncCheckpoint(incremental=True): every save will be full: the model has no sharded tables "
+                           "(data_parallel tables are replicated, saved like dense parameters), so there are no rows to "
+                           "write apart (with no tables, incremental=True costs nothing either).")
+        elif self.full_every_n_saves is None and self._delta_budget(trainer) <= 0:
             self._said_no_delta = True
             rank_zero_info(
                 f"AsyncCheckpoint(incremental=True): every save will be full: a full save here is "
@@ -621,7 +628,7 @@ class AsyncCheckpoint(Checkpoint):
                                 "checkpoint/predicted_overhead": decision.predicted_overhead})
             get_timeline().fact(CADENCE_FACT, **fields)
         log_to_loggers(trainer, metrics)
-        kind = (f"a delta: {result.rows_changed} of {result.rows_compared} table rows, "
+        kind = (f"a delta: {result.rows_changed} of {result.rows_compared} rows of the tables and their optimizer state, "
                 if result.incremental else "")
         rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({kind}"
                        f"{result.bytes / 2**20:.1f} MiB; "
@@ -681,7 +688,8 @@ class AsyncCheckpoint(Checkpoint):
                     self._settle()
                     self._writer.wait(timeout=_EXCEPTION_WAIT_S)  # a save in flight may still complete
             except Exception as e:  # noqa: BLE001 - the training error is the one to raise; report this one
-                rank_zero_warn(f"AsyncCheckpoint: the checkpoint in flight when training failed was not saved: {e!r}")
+                rank_zero_warn(f"AsyncCheckpoint: the save in flight when training failed did not finish on every rank: "
+                               f"{e}")
         self._cleanup()
 
     @override

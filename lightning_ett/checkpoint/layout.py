@@ -41,6 +41,7 @@ import torch
 
 from lightning_ett.durable import manifest
 from lightning_ett.durable.commit import commit_directory, replaced_path
+from lightning_ett.durable.errors import IncompleteCheckpointError
 from lightning_ett.durable.manifest import MANIFEST_FILE, read_manifest
 
 META_FILE = "lightning.pt"
@@ -177,7 +178,7 @@ def require_complete(path: str | os.PathLike) -> Path:
         hint = (" A directory with lightning.pt but no manifest is either unfinished or was written by "
                 "lightning-ett 0.1's trainer.save_checkpoint, which wrote none: if you know it is complete, "
                 f"`python -m lightning_ett.checkpoint.adopt {str(path)!r}` checksums it and writes one.")
-    raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint: {problem}.{hint}")
+    raise IncompleteCheckpointError(f"{str(path)!r} is not a complete checkpoint: {problem}.{hint}")
 
 
 def read_meta(path: Path) -> dict[str, Any]:

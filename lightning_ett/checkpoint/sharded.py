@@ -121,12 +121,18 @@ def load_fused(path: str | os.PathLike, fused: Any) -> None:
         chain.load_into(target, Path(path))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         cause = root_cause(e)
+        if "Missing key in checkpoint state_dict: fused." in str(cause):
+            raise ConfigurationError(
+                f"The checkpoint {str(path)!r} has no such embedding optimizer state ({cause}): it was saved with "
+                "another fused optimizer. Resume with the ETTStrategy(fused_optimizer=...) it was saved with.") from e
         if "Size mismatch" not in str(cause):
             raise
         raise ConfigurationError(
             f"The checkpoint {str(path)!r} holds the embedding optimizer's state in another shape than this layout "
-            f"needs ({cause}). Row-wise optimizer state has one value per row per column shard, so a table whose "
-            "column split changed (column_wise / table_column_wise / grid vs row- or table-wise, or another "
+            f"needs ({cause}). Either the fused optimizer changed (row-wise AdaGrad keeps one value per row, "
+            "AdaGrad and Adam one per element: resume with the ETTStrategy(fused_optimizer=...) it was saved with), "
+            "or a table's column split did: row-wise optimizer state has one value per row per column shard, so a "
+            "table whose split changed (column_wise / table_column_wise / grid vs row- or table-wise, or another "
             "min_partition) cannot take it over. Resume with the same sharding type and min_partition for that "
             "table; 1D, 2D and any sharding_group_size may differ.") from e
     fused.load_state_dict(target["fused"])

@@ -311,6 +311,11 @@ class Stager:
         """A committed save's sharded tensors are held, so the next save can be a delta against them."""
         return bool(self._sharded) and all(i in self._base for i in self._sharded)
 
+    @property
+    def holds_sharded(self) -> bool:
+        """The staged state has sharded tensors (tables): only those are written as deltas."""
+        return bool(self._sharded)
+
     def can_diff(self, state: dict[str, Any]) -> bool:
         """A delta of ``state`` against the base is possible: there is one, and the state still fits its buffers."""
         return self.has_base and _signature(state) == self._signature

@@ -271,7 +271,13 @@ class CheckpointWriter:
                     raise CheckpointWriteError(f"committing checkpoint {str(final)!r} failed: {error}") from e
         if self.collective and self.group is not None:
             status = [error]
-            dist.broadcast_object_list(status, src=0, group=self.group)
+            try:
+                dist.broadcast_object_list(status, src=0, group=self.group)
+            except Exception as e:  # a rank died: rank 0 knows whether it committed, the others do not
+                done = ("was committed by rank 0" if self.rank == 0 and error is None else
+                        "may have been committed by rank 0 (a resume takes it only if its manifest is complete)")
+                raise CheckpointWriteError(f"checkpoint {str(final)!r} {done}, but the ranks could not confirm it to "
+                                           f"each other: {explain(e, tmp)}") from e
             if status[0] is not None:
                 raise CheckpointWriteError(f"rank 0 could not commit checkpoint {str(final)!r}: {status[0]}")
         if self.rank != 0:

@@ -77,6 +77,11 @@ class ConfigurationError(ValueError):
     """
 
 
+class IncompleteCheckpointError(FileNotFoundError, ConfigurationError):
+    """A checkpoint named explicitly (``ckpt_path``) that is not complete: missing, unfinished, or its chain's base
+    gone. A FileNotFoundError as before; not retried, as the same files fail the same way on every attempt."""
+
+
 def check_full_every(owner: str, name: str, value: object, switch: str, switched_on: bool, what: str) -> None:
     """Validate a "full every N" argument that only applies with its switch (``AsyncCheckpoint(incremental=True)``,
     ``ModelPublisher(deltas=True)``): ``None``, or an int >= 1 given together with the switch."""

@@ -63,10 +63,14 @@ def test_an_explicit_path_must_be_complete_and_the_error_names_the_file(tmp_path
     ckpt = fake_checkpoint(tmp_path, 4, 1)
     assert fmt.require_complete(ckpt) == ckpt
     (ckpt / fmt.META_FILE).write_bytes(b"half")
-    with pytest.raises(FileNotFoundError, match=f"{str(ckpt)!r} is not a complete checkpoint: lightning.pt has 4 bytes"):
+    with pytest.raises(FileNotFoundError, match=f"{str(ckpt)!r} is not a complete checkpoint: lightning.pt has 4 bytes"
+                       ) as torn:
         fmt.require_complete(ckpt)
-    with pytest.raises(FileNotFoundError, match="no valid manifest.json"):
+    with pytest.raises(FileNotFoundError, match="no valid manifest.json") as missing:
         fmt.require_complete(tmp_path / "nothing-here")
+    from lightning_ett.launch.worker import not_retryable
+
+    assert not_retryable(torn.value) and not_retryable(missing.value)  # the same files fail every attempt: not retried
 
 
 def test_a_legacy_checkpoint_without_manifest_is_refused_until_adopted(tmp_path):
