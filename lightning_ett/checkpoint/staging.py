@@ -317,8 +317,18 @@ class Stager:
         return bool(self._sharded)
 
     def can_diff(self, state: dict[str, Any]) -> bool:
-        """A delta of ``state`` against the base is possible: there is one, and the state still fits its buffers."""
-        return self.has_base and _signature(state) == self._signature
+        """A delta of ``state`` against the base is possible: there is one, and its tables still fit their buffers."""
+        return self.has_base and self._tables_fit(list(_leaves(state)), _signature(state))
+
+    def _tables_fit(self, leaves: list[Any], signature: list[tuple[Any, ...]]) -> bool:
+        """The sharded leaves (tables) are where they were, in the same shapes: their buffers and the base still fit.
+
+        Other tensors may come and go between saves — a callback's state in Lightning's checkpoint data
+        (``ModelCheckpoint``'s scores, a metric logged at validation) — without costing the tables'
+        buffers or the chain.
+        """
+        return (self._buffers is not None and [i for i, leaf in enumerate(leaves) if is_sharded(leaf)] == self._sharded
+                and all(signature[i] == self._signature[i] for i in self._sharded))
 
     def stage(self, state: dict[str, Any], late_storages: set[int] | None = None, keep_base: bool = False,
               as_delta: bool = False) -> Snapshot:
@@ -334,10 +344,14 @@ class Stager:
         against (only if :attr:`has_base` and the buffers were not reallocated).
         """
         signature = _signature(state)
+        leaves = list(_leaves(state))
         # (the parts, not the leaves: a ShardedTensor reports "cpu" whatever its shards' device)
-        cuda = any(part.is_cuda for leaf in _leaves(state) for part in _parts(leaf))
+        cuda = any(part.is_cuda for leaf in leaves for part in _parts(leaf))
         if self._buffers is None or signature != self._signature:
-            self._allocate(list(_leaves(state)), signature, cuda)
+            if self._tables_fit(leaves, signature) and cuda == self._pinned:
+                self._reallocate_changed(leaves, signature)
+            else:
+                self._allocate(leaves, signature, cuda)
         assert self._buffers is not None
         if keep_base:
             for i in self._sharded:
@@ -409,6 +423,19 @@ class Stager:
                          for i, leaf in enumerate(leaves)]
         self._signature = signature
         self.nbytes = state_nbytes(self._buffers)
+
+    def _reallocate_changed(self, leaves: list[Any], signature: list[tuple[Any, ...]]) -> None:
+        """New buffers only for the leaves whose shape changed or that are new (never the tables: see ``_tables_fit``);
+        the base stays, so the next save may still be a delta."""
+        assert self._buffers is not None
+        old, old_signature = self._buffers, self._signature
+        keep = {i: old[i] for i in range(min(len(old), len(signature))) if signature[i] == old_signature[i]}
+        created = _create_cpu_state_dict({i: leaf for i, leaf in enumerate(leaves) if i not in keep},
+                                         pin_memory=self._pinned, share_memory=False)
+        self._buffers = [keep[i] if i in keep else created[i] for i in range(len(leaves))]
+        self._signature = signature
+        self.nbytes = state_nbytes(self._buffers) + state_nbytes(list(self._spare.values())) + state_nbytes(
+            [b for i, b in self._base.items() if b is not self._buffers[i]])
 
     def release(self) -> None:
         self._buffers = None

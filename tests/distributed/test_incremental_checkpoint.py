@@ -170,6 +170,19 @@ def assert_2d_chain_equals_its_full_save(out: Path, sharding_type: str) -> None:
     assert written
 
 
+def test_another_callbacks_growing_state_does_not_end_the_chain(tmp_path):
+    # A stock ModelCheckpoint(monitor=..., save_top_k=-1) adds a tensor to Lightning's checkpoint data at every
+    # save; the tables' buffers and the chain's base stay, so the saves are still deltas and still exact.
+    ckpt = tmp_path / "ckpt"
+    run_job(tmp_path / "job", "--max-steps", "7", *CHAIN, "--ckpt-dir", str(ckpt), "--top-k-dir", str(tmp_path / "mc"),
+            "--sync-ref-at", "7")
+    kinds = [manifest(step_dir(ckpt, step)).get("kind", "full") for step in (2, 4, 6)]
+    assert kinds == ["full", "delta", "delta"], kinds
+    assert len(list((tmp_path / "mc").glob("*.ckpt"))) >= 3  # the other callback saved too
+    assert manifest(step_dir(ckpt, 7))["kind"] == "delta"
+    assert assert_equal_trees(whole(tmp_path / "job" / "ref"), whole(step_dir(ckpt, 7))) >= 12
+
+
 def test_row_wise_tables_with_per_element_adagrad_resume_exactly_from_a_chain(tmp_path):
     args = ["--sharding-type", "row_wise", "--fused-optimizer", "adagrad"]  # state as wide as the rows (as Adam's)
     full = run_job(tmp_path / "full", "--max-steps", "10", *args)

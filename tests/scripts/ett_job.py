@@ -74,6 +74,7 @@ class ShardedDLRM(LightningModule):
     kill_at: int | None = None
     kill_rank = 1
     kill_when_writing = False
+    log_loss = False
     fail_at: int | None = None
     step_sleep = 0.0
     dense_optimizer = "adam"
@@ -108,6 +109,8 @@ class ShardedDLRM(LightningModule):
         dense, kjt, labels = make_batch(self.global_step, self.global_rank, self.batch, self.rows)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(self.dlrm(dense, kjt).squeeze(-1), labels)
         self.losses.append(loss.item())
+        if self.log_loss:
+            self.log("loss", loss)
         return loss
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -184,6 +187,8 @@ def main() -> None:
     p.add_argument("--ett-from-env", action="store_true", help="ETTMonitor() takes its run dir from the launcher")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
     p.add_argument("--fail-at", type=int, default=None, help="raise in training_step at this step, on every attempt")
+    p.add_argument("--top-k-dir", default=None,
+                   help="also a stock ModelCheckpoint(monitor='loss', save_top_k=-1, every_n_train_steps=2) here")
     p.add_argument("--publish-dir", default=None, help="ModelPublisher(dirpath=..., submodule='dlrm')")
     p.add_argument("--publish-deltas", action="store_true", help="ModelPublisher(deltas=True, full_every_n_versions=10)")
     p.add_argument("--predict-out", default=None, help="after fit, each rank's predictions on an eval batch go here")
@@ -207,6 +212,8 @@ def main() -> None:
         interval = {"every_n_minutes": args.async_minutes} if args.async_minutes else {"every_n_train_steps": args.async_every}
         callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, incremental=args.incremental,
                                          full_every_n_saves=args.full_every, when_busy=args.when_busy, **interval))
+    if args.top_k_dir:  # its state in Lightning's checkpoint data grows a tensor at every save
+        callbacks.append(ModelCheckpoint(dirpath=args.top_k_dir, monitor="loss", save_top_k=-1, every_n_train_steps=2))
     if args.publish_dir:
         callbacks.append(ModelPublisher(args.publish_dir, submodule="dlrm", metrics=["loss"], strict=True,
                                         deltas=args.publish_deltas,
@@ -227,6 +234,7 @@ def main() -> None:
     model.kill_at = args.kill_at
     model.kill_rank = args.kill_rank
     model.kill_when_writing = args.kill_when_writing
+    model.log_loss = args.top_k_dir is not None
     model.fail_at = args.fail_at
     model.step_sleep = args.step_sleep
     resume = args.resume
