@@ -55,10 +55,12 @@ def test_a_server_applying_each_delta_to_what_it_holds_ends_with_the_newest_weig
     full = manifests[0]["files"][pub.ARTIFACT_FILE]["bytes"]
     assert all(m["files"][pub.DELTA_FILE]["bytes"] < full / 4 for m in manifests[1:])  # 10 of 1000 rows + the dense
     weights, held = pub.load_published(tmp_path / "pub" / "v000001")
+    served = dict(weights)  # a server's own tensors (a model's state_dict()): the delta must land in them
     for number in range(2, 6):
-        pub.apply_published_delta(weights, tmp_path / "pub" / pub.version_name(number), held["version"])
+        pub.apply_published_delta(served, tmp_path / "pub" / pub.version_name(number), held["version"])
         held = {"version": number}
-        assert all(torch.equal(weights[k], versions[number - 1][k]) for k in weights)
+        assert all(torch.equal(weights[k], versions[number - 1][k]) for k in weights)  # in place: dense ones too
+        assert all(served[k] is weights[k] for k in weights)
     latest, manifest = pub.load_published(tmp_path / "pub")
     assert manifest["version"] == 5 and all(torch.equal(latest[k], versions[-1][k]) for k in latest)
 

@@ -144,12 +144,25 @@ def to_delete(entries: list[CheckpointEntry], keep_last_n: int | None) -> list[C
     ``entries`` are oldest commit first and end with the newest, which is never returned. A
     checkpoint ModelPublisher has pinned (:data:`PIN_FILE`) stays until it is unpinned, and so
     does every checkpoint a kept one is built on (its full save and the deltas between).
+
+    With ``keep_last_n >= 2`` the kept checkpoints rest on at least two full saves, as that many
+    full saves would: when the newest ones are all deltas of one full save, the newest checkpoint
+    of the chain before stays too, so one damaged full save never leaves nothing to resume from.
     """
     if keep_last_n is None:
         return []
     kept = entries[-keep_last_n:] + [e for e in entries[:-keep_last_n] if (e.path / PIN_FILE).exists()]
+    if keep_last_n >= 2:
+        base = _base(entries[-1])
+        if all(_base(e) == base for e in entries[-keep_last_n:]):
+            kept += [e for e in reversed(entries[:-keep_last_n]) if _base(e) != base][:1]
     needed = {e.path.name for e in kept} | {name for e in kept for name in e.chain}
     return [e for e in entries[:-keep_last_n] if e.path.name not in needed]
+
+
+def _base(entry: CheckpointEntry) -> str:
+    """The full save a checkpoint is restored from: its chain's first, or itself."""
+    return entry.chain[0] if entry.chain else entry.path.name
 
 
 def looks_like_checkpoint(path: str | os.PathLike) -> bool:

@@ -159,10 +159,16 @@ def apply_published_delta(weights: dict[str, torch.Tensor], version_dir: str | o
     delta = torch.load(version_dir / DELTA_FILE, map_location="cpu", weights_only=True)
     for name in delta["removed"]:
         weights.pop(name, None)
-    weights.update(delta["replace"])
     with torch.no_grad():
+        for name, value in delta["replace"].items():  # into the held tensors (a served model's own parameters)
+            held = weights.get(name)
+            if held is not None and held.shape == value.shape and held.dtype == value.dtype:
+                held.copy_(value)
+            else:
+                weights[name] = value  # new, or reshaped: a dict entry the server must take up itself
         for name, changed in delta["rows"].items():
-            weights[name][changed["rows"]] = changed["values"]
+            table = weights[name]
+            table[changed["rows"].to(table.device)] = changed["values"].to(table.device)
     return manifest
 
 # ---------------------------------------------------------------------- export (publisher process)

@@ -231,10 +231,21 @@ def test_retention_keeps_every_checkpoint_a_kept_delta_builds_on(tmp_path):
     commit(tmp_path, 8, 4)  # a new full save
     commit(tmp_path, 10, 5, [(8, 4)])
     entries = fmt.committed(tmp_path)
-    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [2, 4, 6]  # 10 needs only 8
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=1)] == [2, 4, 6]  # 10 needs only 8
     assert [e.step for e in fmt.to_delete(entries[:3], keep_last_n=1)] == []  # 6 needs 2 and 4
+    # keep_last_n=2: 8 and 10 rest on one full save (8), so the previous chain's newest (6) stays, and what it
+    # needs: a damaged 8 still leaves a checkpoint to resume from, as two full saves would.
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == []
+    commit(tmp_path, 12, 6)
+    commit(tmp_path, 14, 7, [(12, 6)])
+    entries = fmt.committed(tmp_path)
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [2, 4, 6]  # 10 (and 8) now the previous chain
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=3)] == [2, 4, 6]  # 10, 12, 14: two full saves already
     (tmp_path / fmt.checkpoint_name(6) / fmt.PIN_FILE).touch()  # a publisher reads 6: its chain stays too
-    assert [e.step for e in fmt.to_delete(entries, keep_last_n=1)] == []
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=1)] == [8, 10]
+    (tmp_path / fmt.checkpoint_name(12) / "__0_0.distcp").write_bytes(b"tensor bytez")  # the newest full save damaged
+    with pytest.warns(UserWarning, match="step-000000012"):
+        assert fmt.newest_complete(tmp_path) == tmp_path / fmt.checkpoint_name(10)  # what keep_last_n=2 kept
 
 
 def test_a_delta_whose_base_was_replaced_or_deleted_is_not_complete_and_says_which(tmp_path):
