@@ -58,7 +58,7 @@ class IdStream:
     """Ids for (step, rank): Zipf(alpha) truncated to ``rows`` (inverse CDF), or uniform; the same in every arm."""
 
     def __init__(self, rows: int, stream: str, alpha: float) -> None:
-        self.rows, self.stream = rows, stream
+        self.rows = rows
         self.law = ZipfLaw(rows, alpha) if stream == "zipf" else None
 
     def ids(self, n: int, seed: int) -> torch.Tensor:

@@ -391,7 +391,12 @@ class Stager:
                 spare = self._spare[i] = self._buffer_like(buffer)
                 for part in _parts(spare):
                     part.zero_()
-        self.nbytes = state_nbytes(self._buffers) + state_nbytes(list(self._spare.values())) + state_nbytes(
+        self.nbytes = self._held_nbytes()
+
+    def _held_nbytes(self) -> int:
+        """The buffers, the spares and the base buffers that are neither (each counted once)."""
+        assert self._buffers is not None
+        return state_nbytes(self._buffers) + state_nbytes(list(self._spare.values())) + state_nbytes(
             [b for i, b in self._base.items() if b is not self._buffers[i]])
 
     def _buffer_like(self, buffer: Any) -> Any:
@@ -434,8 +439,7 @@ class Stager:
                                          pin_memory=self._pinned, share_memory=False)
         self._buffers = [keep[i] if i in keep else created[i] for i in range(len(leaves))]
         self._signature = signature
-        self.nbytes = state_nbytes(self._buffers) + state_nbytes(list(self._spare.values())) + state_nbytes(
-            [b for i, b in self._base.items() if b is not self._buffers[i]])
+        self.nbytes = self._held_nbytes()
 
     def release(self) -> None:
         self._buffers = None
