@@ -24,12 +24,17 @@ atomically, so of two acquirers exactly one wins. A lock that exists belongs to:
   noticed) polls an owner on another host until it is declared gone or goes stale; once its
   patience is spent, it waits on for the staleness of an owner that never refreshed meanwhile,
   and is refused at once by one that did;
-* no one alive: taken over with a warning. The lock is renamed to a unique name (one renamer
-  gets it), checked to be the one judged stale (else put back), and the acquirer links its own.
+* no one alive: taken over with a warning. The acquirer first claims the takeover of that very
+  lock: a ``<lock>.takeover-<hash of its content>`` file, linked like the lock, so one claimant
+  wins. Under the claim it reads the lock again and, if it is still the one judged stale, renames
+  its own complete lock file over it: the lock never disappears, so no acquirer slips in between
+  (setting the stale lock aside first and putting back a newer one let two acquirers win). A
+  claimant that died mid-takeover is judged like an owner (its pid; on another host, its claim's
+  age) and passed by claiming the next name of a chain keyed by its claim.
 
 On a filesystem shared by several nodes (NFS, Lustre, GPFS) this relies on: ``link`` and
-``rename`` within one directory being atomic (NFS v3+; a link whose reply was lost on a
-retransmit is recognized by the temp file's link count); close-to-open consistency (the lock
+``rename`` within one directory being atomic (NFS v3+; a link or rename whose reply was lost on a
+retransmit is recognized by the temp file's link count or the lock's content); close-to-open consistency (the lock
 is opened before its mtime is read, which revalidates NFS's attribute cache); ``utime`` reaching
 the file server within a heartbeat; and every host's clock agreeing with the file server's to
 well within :data:`STALE_AFTER_S` (a lock's age is the reader's clock minus the server's mtime).
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -62,6 +68,8 @@ HEARTBEAT_S = 10.0
 #: A lock not refreshed for this long belongs to no one (its owner, on another host, is gone).
 STALE_AFTER_S = 60.0
 _RETRIES = 20
+_CLAIM_CHAIN = 8  # claimants that died mid-takeover passed at most (each needs a dead process)
+_CLAIM_POLL_S = 0.02  # a live claimant's takeover takes milliseconds
 _UNREADABLE_GRACE_S = 2.0  # a lock still being written (O_EXCL fallback) is empty for a moment
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
 
@@ -195,14 +203,14 @@ class OwnerLock:
 
     def _acquire(self, me: Owner, patience: _Patience) -> Owner | None:
         data = me.to_bytes()
-        taken_over: Owner | None = None
         tries = 0
+        claim_wait_until: float | None = None
         while tries < _RETRIES:
             tries += 1
-            if self._create(data):
+            if self._create(self.path, data):
                 self._held(me)
-                return taken_over
-            seen = self._read()
+                return None
+            seen = self._read(self.path)
             if seen is None:
                 continue  # released meanwhile: try again
             raw, age_s = seen
@@ -219,11 +227,18 @@ class OwnerLock:
                         raise DirectoryInUseError(self._refusal(current, me, age_s, patience.refreshed))
                     tries -= 1  # (a wait is no lost race)
                     continue
-            if self._set_aside(raw):
-                taken_over = current
+            outcome = self._take_over(raw, data, me)
+            if outcome == "won":
+                self._held(me)
                 if not quiet:
                     who = current.describe() if current is not None else "an unknown owner"
                     self.on_takeover(f"{self.what}: taking over from {who}: {reason}.")
+                return current
+            if outcome == "busy":  # another acquirer is taking it over: see what it leaves
+                claim_wait_until = claim_wait_until or time.monotonic() + self.stale_after_s + 1.0
+                if time.monotonic() < claim_wait_until:
+                    tries -= 1
+                    time.sleep(_CLAIM_POLL_S)
         raise DirectoryInUseError(f"{self.what}: could not take its lock {str(self.path)!r} after {_RETRIES} tries: "
                                   "other processes keep acquiring it. Is another job starting into it?")
 
@@ -237,7 +252,7 @@ class OwnerLock:
             return
         with _held_lock:
             _held.discard(owner.token)
-        seen = self._read()
+        seen = self._read(self.path)
         if seen is not None and Owner.parse(seen[0]) == owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
@@ -245,16 +260,12 @@ class OwnerLock:
             withdraw_gone(self.directory, self.path.name)
 
     # ------------------------------------------------------------------ the steps
-    def _create(self, data: bytes) -> bool:
-        """Create the lock with ``data`` if it does not exist: link a complete temp file to its name."""
-        temp = self.directory / f"{self.path.name}.{uuid.uuid4().hex}.tmp"
+    def _create(self, target: Path, data: bytes) -> bool:
+        """Create ``target`` with ``data`` if it does not exist: link a complete temp file to its name."""
+        temp = self._write_temp(data)
         try:
-            with open(temp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
-                os.link(temp, self.path)
+                os.link(temp, target)
                 return True
             except FileExistsError:
                 return _linked_anyway(temp)
@@ -263,14 +274,14 @@ class OwnerLock:
                     return True
                 if err.errno not in _NO_LINKS:
                     raise
-            return self._create_exclusive(data)
+            return self._create_exclusive(target, data)
         finally:
             with contextlib.suppress(OSError):
                 temp.unlink()
 
-    def _create_exclusive(self, data: bytes) -> bool:
+    def _create_exclusive(self, target: Path, data: bytes) -> bool:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
         with os.fdopen(fd, "wb") as f:
@@ -279,10 +290,18 @@ class OwnerLock:
             os.fsync(f.fileno())
         return True
 
-    def _read(self) -> tuple[bytes, float] | None:
-        """The lock's content and age in seconds (opened first: revalidates NFS's cached attributes)."""
+    def _write_temp(self, data: bytes) -> Path:
+        temp = self.directory / f"{self.path.name}.{uuid.uuid4().hex}.tmp"
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return temp
+
+    def _read(self, path: Path) -> tuple[bytes, float] | None:
+        """A lock's (or claim's) content and age in seconds (opened first: revalidates NFS's cached attributes)."""
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 mtime = os.fstat(f.fileno()).st_mtime
                 return f.read(64 * 1024), time.time() - mtime
         except FileNotFoundError:
@@ -307,25 +326,54 @@ class OwnerLock:
             return gone, False
         return f"no heartbeat for {age_s:.0f} s (stale after {self.stale_after_s:.0f} s)", False
 
-    def _set_aside(self, raw: bytes) -> bool:
-        """Rename the stale lock out of the way; False if what was renamed was not it (then it is put back)."""
-        aside = self.directory / f"{self.path.name}.stale-{uuid.uuid4().hex}"
+    def _take_over(self, raw: bytes, data: bytes, me: Owner) -> str:
+        """Replace the stale lock ``raw`` with ``data``: ``"won"``, ``"lost"`` (it changed) or ``"busy"``.
+
+        Only the holder of the takeover claim on ``raw`` replaces it, by renaming over it (see the
+        module's docstring); claims are removed once the lock no longer holds ``raw``, so a late
+        claimant finds it changed.
+        """
+        key = hashlib.sha256(raw).hexdigest()[:16]
+        passed: list[Path] = []  # claims of claimants that died mid-takeover
+        for _ in range(_CLAIM_CHAIN):
+            claim = self.path.with_name(f"{self.path.name}.takeover-{key}")
+            if self._create(claim, data):
+                break
+            seen = self._read(claim)
+            if seen is None:
+                return "lost"  # its claimant finished: the lock changed
+            claim_raw, age_s = seen
+            claimant = Owner.parse(claim_raw)
+            alive = age_s < _UNREADABLE_GRACE_S if claimant is None else self._judge(claimant, me, age_s)[0] is None
+            if alive:
+                return "busy"
+            passed.append(claim)
+            key = hashlib.sha256(key.encode() + claim_raw).hexdigest()[:16]
+        else:
+            return "busy"
         try:
-            os.rename(self.path, aside)
+            seen = self._read(self.path)
+            if seen is None or seen[0] != raw:
+                return "lost"
+            self._replace(data)
+            return "won"
+        finally:
+            for done in (claim, *passed):
+                with contextlib.suppress(OSError):
+                    done.unlink()
+
+    def _replace(self, data: bytes) -> None:
+        """Rename a complete lock file over the lock: atomic, and never a moment without a lock."""
+        temp = self._write_temp(data)
+        try:
+            os.rename(temp, self.path)
         except FileNotFoundError:
-            return False  # another acquirer set it aside first
-        try:
-            with open(aside, "rb") as f:
-                renamed = f.read(64 * 1024)
-            if renamed == raw:
-                return True
-            # A newer owner's lock, linked after we read the stale one: give it back.
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, self.path)
-            return False
+            seen = self._read(self.path)  # NFS: a rename retransmitted after a lost reply
+            if seen is None or seen[0] != data:
+                raise
         finally:
             with contextlib.suppress(OSError):
-                aside.unlink()
+                temp.unlink()
 
     def _held(self, me: Owner) -> None:
         self.owner = me

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -307,3 +308,72 @@ def test_of_acquirers_racing_for_one_directory_exactly_one_wins(tmp_path, stale)
         for racer in racers:
             racer.kill()
     assert said == ["refused"] * 5 + ["won"], said
+
+
+def race(owner: OwnerLock, start: threading.Barrier, said: list[str]) -> None:
+    start.wait()
+    try:
+        owner.acquire()
+        said.append("won")
+    except DirectoryInUseError:
+        said.append("refused")
+
+
+def test_of_threads_racing_to_take_over_a_stale_lock_exactly_one_wins_every_round(tmp_path):
+    """Many rounds in one process: the interleavings of a takeover that a handful of processes rarely hit."""
+    rounds, racers = 40, 6
+    gone = dead_pid()
+    for round_ in range(rounds):
+        directory = tmp_path / str(round_)
+        directory.mkdir()
+        plant(directory, pid=gone, process_start=None)
+        start = threading.Barrier(racers)
+        said: list[str] = []
+        locks = [lock(directory, job_id=f"racer-{i}", on_takeover=lambda _: None) for i in range(racers)]
+        threads = [threading.Thread(target=race, args=(owner, start, said)) for owner in locks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        winners = [owner.owner for owner in locks if owner.owner is not None]
+        held = read_owner(directory / LOCK)
+        for owner in locks:
+            owner.release()
+        assert sorted(said) == ["refused"] * (racers - 1) + ["won"], (round_, said)
+        assert winners == [held]  # the lock on disk names the one winner
+        assert sorted(p.name for p in directory.iterdir()) == []  # nothing set aside or claimed is left behind
+
+
+def claim_of(tmp_path: Path) -> Path:
+    """Where an acquirer claims the takeover of the lock now in ``tmp_path``."""
+    return tmp_path / f"{LOCK}.takeover-{hashlib.sha256((tmp_path / LOCK).read_bytes()).hexdigest()[:16]}"
+
+
+def test_a_claimant_that_died_mid_takeover_is_passed_and_its_claim_removed(tmp_path):
+    plant(tmp_path, pid=dead_pid(), process_start=None)
+    claim_of(tmp_path).write_bytes(replace(Owner.me("job-c", 0), pid=dead_pid(), process_start=None).to_bytes())
+    with pytest.warns(StaleOwnerWarning, match="taking over from job 'job-a'"):
+        taken_over = lock(tmp_path).acquire()
+    assert taken_over is not None and taken_over.job_id == "job-a"
+    assert read_owner(tmp_path / LOCK).job_id == "job-b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK]
+
+
+def test_an_acquirer_waits_for_a_live_claimant_and_then_judges_what_it_left(tmp_path):
+    """A takeover in progress is waited for, not counted as a lost race; once its claim is gone the lock is judged anew."""
+    plant(tmp_path, pid=dead_pid(), process_start=None)
+    claim = claim_of(tmp_path)
+    claimant = replace(Owner.me("job-c", 0), pid=os.getppid(), process_start=process_start_ticks(os.getppid()))
+    claim.write_bytes(claimant.to_bytes())  # a live process on this host
+    acquirer = lock(tmp_path, on_takeover=lambda _: None)
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(acquirer.acquire()))
+    thread.start()
+    time.sleep(1.0)  # 50 polls: more than _RETRIES tries
+    assert thread.is_alive() and acquirer.owner is None
+    claim.unlink()  # the claimant gave up (the lock is still the stale one)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result[0].job_id == "job-a"
+    assert read_owner(tmp_path / LOCK) == acquirer.owner
+    acquirer.release()
+    assert list(tmp_path.iterdir()) == []
