@@ -23,6 +23,7 @@ from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, CadenceTracker, estimate_mtbf_s
 from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, next_delta_budget
+from lightning_ett.checkpoint.save_kind import SaveKindChooser
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
@@ -122,14 +123,19 @@ class AsyncCheckpoint(Checkpoint):
             1.5 full restores, estimated from the committed bytes of the full save and the deltas
             and a fixed cost per delta (its files opened and parsed: many tiny deltas restore
             slowly too, and on small tables a full save is cheap anyway; see
-            ``chain.next_delta_budget``). Peak host
+            ``chain.next_delta_budget``). A save is also full while deltas cost about as much
+            as full saves, by their measured true cost (blocked + slowdown): a delta must cost
+            under 80 % of a full save, else the next 2 saves are full, then a delta is tried
+            again (after 4, 8, up to 16 while deltas keep losing; ``save_kind``): on ids spread
+            uniformly over the tables most rows change between saves, and a delta costs more
+            than a full save. Peak host
             memory while a delta is written: the changed rows gathered, at most about the size of
             the tables (a shard whose changed rows with their numbers would outweigh it is written
             whole, not gathered). ``False``
             (default) until the benchmark settles it (see
             ``benchmarks/README.md``).
         full_every_n_saves: with ``incremental``: every N-th save is full, whatever the chain's
-            size (``None``: by the estimated restore time, as above).
+            size or the costs (``None``: by the estimated restore time and the measured costs, as above).
 
     ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
     write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``,
@@ -213,6 +219,7 @@ class AsyncCheckpoint(Checkpoint):
         self._last_delta_bytes = 0
         self._said_no_delta = False
         self._deltas_in_chain = 0
+        self._kinds = SaveKindChooser()  # rank 0: what deltas and full saves cost
         # resumable state
         self.last_saved_step = -1
         self.saves = 0
@@ -519,13 +526,16 @@ class AsyncCheckpoint(Checkpoint):
 
     def _delta_due(self, trainer: pl.Trainer) -> bool:
         """May this save be a delta? This rank holds the last committed save's tables (same layout), and on rank 0
-        the chain is short enough (``full_every_n_saves``, else its estimated restore time: ``chain.next_delta_budget``)."""
+        the chain is short enough (``full_every_n_saves``, else its estimated restore time: ``chain.next_delta_budget``)
+        and deltas cost less than full saves (``save_kind``)."""
         if not self._stager.has_base:
             return False
         if not trainer.is_global_zero:
             return True  # rank 0 decides the chain's length; its "full" wins in the agreement
         if self.full_every_n_saves is not None:
             return self._deltas_in_chain + 1 < self.full_every_n_saves
+        if not self._kinds.delta_pays():
+            return False  # deltas cost about as much as full saves lately (``save_kind``)
         return self._delta_budget(trainer) > self._last_delta_bytes  # the next one as big as the last: else full now
 
     def _count_in_chain(self, result: WriteResult) -> None:
@@ -619,6 +629,8 @@ class AsyncCheckpoint(Checkpoint):
         metrics["checkpoint/incremental"] = float(result.incremental)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
         metrics["checkpoint/save_cost_s"] = cost
+        if self.incremental and self.full_every_n_saves is None and (why := self._kinds.observe(result.incremental, cost)):
+            rank_zero_info(f"AsyncCheckpoint(incremental=True): {why}.")
         decision = self._decide()
         if decision is not None:
             fields = {"mode": "auto" if self.auto else "fixed", **decision.to_fields()}
@@ -717,7 +729,7 @@ class AsyncCheckpoint(Checkpoint):
     def state_dict(self) -> dict[str, Any]:
         return {"dirpath": str(self.dirpath), "last_saved_step": self.last_saved_step, "saves": self.saves,
                 "skipped": self.skipped,
-                "cadence": self.cadence.state_dict()}
+                "cadence": self.cadence.state_dict(), "save_kinds": self._kinds.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -725,6 +737,7 @@ class AsyncCheckpoint(Checkpoint):
         self.saves = int(state_dict.get("saves", 0))
         self.skipped = int(state_dict.get("skipped", 0))
         self.cadence.load_state_dict(state_dict.get("cadence", {}))
+        self._kinds.load_state_dict(state_dict.get("save_kinds", {}))
 
 
 def _past_failures() -> int:

@@ -1,0 +1,72 @@
+"""An incremental chain goes full while deltas cost about as much as full saves, and tries a delta again later."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from types import SimpleNamespace
+
+from lightning_ett.checkpoint.save_kind import DELTA_COST_RATIO, MAX_FULL_RUN, SaveKindChooser
+
+
+def kinds_chosen(chooser: SaveKindChooser, full_s: float, delta_s: float, saves: int, noise: float = 0.0,
+                 seed: int = 0) -> list[str]:
+    """What ``chooser`` picks over ``saves`` saves (the first full: no base yet) when each kind costs what it is given."""
+    rng = random.Random(seed)
+    kinds = []
+    for i in range(saves):
+        kind = "full" if i == 0 or not chooser.delta_pays() else "delta"
+        cost = (delta_s if kind == "delta" else full_s) * (1 + rng.uniform(-noise, noise))
+        chooser.observe(kind == "delta", cost)
+        kinds.append(kind)
+    return kinds
+
+
+def test_deltas_that_cost_a_fraction_of_a_full_save_are_never_interrupted_even_with_noisy_costs():
+    for seed in range(20):  # the Zipf stream's costs (0.75 s vs 4.1 s), each reading off by up to 40 %
+        assert kinds_chosen(SaveKindChooser(), 4.1, 0.75, 60, noise=0.4, seed=seed) == ["full"] + ["delta"] * 59
+    # just under the ratio, exactly measured: still deltas
+    assert kinds_chosen(SaveKindChooser(), 4.0, 4.0 * DELTA_COST_RATIO * 0.99, 20) == ["full"] + ["delta"] * 19
+
+
+def test_deltas_that_cost_as_much_as_a_full_save_give_way_to_full_saves_and_are_tried_again_ever_more_rarely():
+    kinds = kinds_chosen(SaveKindChooser(), 3.9, 4.7, 60)  # the uniform stream's costs
+    probes = [i for i, kind in enumerate(kinds) if kind == "delta"]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(probes)]
+    assert probes[0] == 1 and gaps[:4] == [2, 4, 8, 16] and set(gaps[4:]) == {MAX_FULL_RUN}
+    assert kinds.count("delta") == len(probes) <= 8  # of 60 saves
+
+
+def test_once_deltas_pay_again_the_chain_continues():
+    chooser = SaveKindChooser()
+    kinds = kinds_chosen(chooser, 4.0, 4.5, 8)  # full, delta (loses), full x2, delta (loses), full x4
+    assert kinds == ["full", "delta", "full", "full", "delta", "full", "full", "full"]
+    kinds += kinds_chosen(chooser, 4.0, 1.0, 12)  # deltas got cheaper (its first save is full: the fourth)
+    assert kinds[8:] == ["full"] + ["delta"] * 11  # a probe that pays: deltas again, and no more full saves
+
+
+def test_what_the_costs_said_survives_a_restart():
+    chooser = SaveKindChooser()
+    kinds_chosen(chooser, 3.9, 4.7, 2)
+    restored = SaveKindChooser()
+    restored.load_state_dict(chooser.state_dict())
+    assert not restored.delta_pays() and restored.full_cost_s == chooser.full_cost_s
+    assert kinds_chosen(restored, 3.9, 4.7, 4)[1:] == ["full", "delta", "full"]  # the 2 full saves, a probe, 4 more
+
+
+def test_asynccheckpoint_asks_the_costs_before_a_delta_and_full_every_n_saves_overrides_them(tmp_path):
+    from lightning_ett import AsyncCheckpoint
+
+    trainer = SimpleNamespace(world_size=2, is_global_zero=True)
+    for full_every, expected in ((None, [False, False, True]), (5, [True, True, True])):
+        checkpoint = AsyncCheckpoint(tmp_path, every_n_train_steps=1, incremental=True, full_every_n_saves=full_every)
+        checkpoint._stager = SimpleNamespace(has_base=True)
+        checkpoint._full_bytes = 8 << 30  # a chain far from its restore bound
+        checkpoint._kinds.observe(False, 3.9)
+        checkpoint._kinds.observe(True, 4.7)
+        due = []
+        for _ in range(3):
+            due.append(checkpoint._delta_due(trainer))
+            if not due[-1]:
+                checkpoint._kinds.observe(False, 3.9)
+        assert due == expected
