@@ -47,17 +47,19 @@ def kill_step(steps: int, seed: int) -> int:
 
 def run_arm(work: Path, cache: Path, steps: int, flags: list[str], kill: int | None) -> dict:
     from lightning_ett.instrument.summary import summarize_run_dir
-    from lightning_ett.instrument.timeline import CADENCE_FACT
+    from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT
 
     env = {"LIGHTNING_ETT_FAULT_KILL": f"1:{kill}"} if kill is not None else {}
     run_dir = run_pack(work, ["--steps", str(steps), "--every", "auto", *flags], cache, 1 if kill else 0, **env)
     s = summarize_run_dir(run_dir)
     cadence = s.facts_named(CADENCE_FACT)
     last = cadence[-1] if cadence else {}
+    saves = s.facts_named(CHECKPOINT_FACT)
     return {"lost_s": s.lost_s, "ett_percent": s.ett_percent, "wall_s": s.wall_s, "effective_s": s.effective_s,
             "checkpoint_save_s": s.phases.get("checkpoint_save", 0.0),
             "checkpoint_load_s": s.phases.get("checkpoint_load", 0.0), "attempts": len(s.attempts),
             "interval_steps": last.get("interval_steps"), "save_cost_s": last.get("save_cost_s"),
+            "deltas": sum(bool(f.get("incremental")) for f in saves), "saves": len(saves),
             "choices": [(c.get("interval_steps"), round(float(c.get("save_cost_s", 0)), 3)) for c in cadence]}
 
 
@@ -86,7 +88,8 @@ def main() -> None:
                 res["kill_step"] = kill
                 results[name].append(res)
                 print(f"round {r + 1} (kill after step {kill}) {name}: lost {res['lost_s']:.2f} s, ETT "
-                      f"{res['ett_percent']:.1f} %, checkpoint_save {res['checkpoint_save_s']:.2f} s, auto's last "
+                      f"{res['ett_percent']:.1f} %, checkpoint_save {res['checkpoint_save_s']:.2f} s, {res['deltas']} deltas of "
+                      f"{res['saves']} saves, auto's last "
                       f"choice every {res['interval_steps']} steps from a save cost of {res['save_cost_s']} s; "
                       f"choices {res['choices']}", flush=True)
     if args.json:

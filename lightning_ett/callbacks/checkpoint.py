@@ -616,7 +616,7 @@ class AsyncCheckpoint(Checkpoint):
         if result is None:
             return
         self._best_model_path = str(result.path)
-        get_timeline().fact(CHECKPOINT_FACT, step=result.step, path=str(result.path))
+        get_timeline().fact(CHECKPOINT_FACT, step=result.step, path=str(result.path), incremental=result.incremental)
         blocked = result.blocked_s
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),

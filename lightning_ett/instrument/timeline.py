@@ -70,7 +70,7 @@ PHASE_NAMES: tuple[str, ...] = tuple(p.value for p in Phase) + (LOST,)
 
 #: Names of the facts (:meth:`Timeline.fact`) the report states in words.
 CADENCE_FACT = "checkpoint_cadence"  # AsyncCheckpoint's interval and what it came from
-CHECKPOINT_FACT = "checkpoint"  # a checkpoint AsyncCheckpoint made durable: its step and path (rank 0)
+CHECKPOINT_FACT = "checkpoint"  # a checkpoint AsyncCheckpoint made durable: its step, path, whether a delta (rank 0)
 PUBLISH_FACT = "publish"  # a version ModelPublisher published
 PUBLISH_ERROR_FACT = "publish_error"  # a publish that failed
 STRAGGLER_FACT = "straggler"  # one window of the straggler diagnosis (lightning_ett.watch.stragglers)
