@@ -55,11 +55,14 @@ def run_arm(work: Path, cache: Path, steps: int, flags: list[str], kill: int | N
     cadence = s.facts_named(CADENCE_FACT)
     last = cadence[-1] if cadence else {}
     saves = s.facts_named(CHECKPOINT_FACT)
+    said = [line for log in sorted((run_dir / "worker_logs").rglob("*.log"))
+            for line in log.read_text(errors="replace").splitlines() if "deltas pay only under" in line]
     return {"lost_s": s.lost_s, "ett_percent": s.ett_percent, "wall_s": s.wall_s, "effective_s": s.effective_s,
             "checkpoint_save_s": s.phases.get("checkpoint_save", 0.0),
             "checkpoint_load_s": s.phases.get("checkpoint_load", 0.0), "attempts": len(s.attempts),
             "interval_steps": last.get("interval_steps"), "save_cost_s": last.get("save_cost_s"),
             "deltas": sum(bool(f.get("incremental")) for f in saves), "saves": len(saves),
+            "full_by_cost": len(said),  # times the cost rule (save_kind) turned deltas off
             "choices": [(c.get("interval_steps"), round(float(c.get("save_cost_s", 0)), 3)) for c in cadence]}
 
 
@@ -89,7 +92,7 @@ def main() -> None:
                 results[name].append(res)
                 print(f"round {r + 1} (kill after step {kill}) {name}: lost {res['lost_s']:.2f} s, ETT "
                       f"{res['ett_percent']:.1f} %, checkpoint_save {res['checkpoint_save_s']:.2f} s, {res['deltas']} deltas of "
-                      f"{res['saves']} saves, auto's last "
+                      f"{res['saves']} saves (deltas turned off by cost {res['full_by_cost']}x), auto's last "
                       f"choice every {res['interval_steps']} steps from a save cost of {res['save_cost_s']} s; "
                       f"choices {res['choices']}", flush=True)
     if args.json:
