@@ -621,6 +621,7 @@ class AsyncCheckpoint(Checkpoint):
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
                    "checkpoint/overlapped_bytes": float(result.overlapped_bytes)}
+        outgrew_bound = result.over_budget and self._deltas_in_chain == 0  # (not a chain's natural end)
         self._count_in_chain(result)
         if result.incremental:
             metrics["checkpoint/rows_changed_fraction"] = result.rows_changed / max(result.rows_compared, 1)
@@ -629,8 +630,10 @@ class AsyncCheckpoint(Checkpoint):
         metrics["checkpoint/incremental"] = float(result.incremental)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
         metrics["checkpoint/save_cost_s"] = cost
-        if self.incremental and self.full_every_n_saves is None and (why := self._kinds.observe(result.incremental, cost)):
-            rank_zero_info(f"AsyncCheckpoint(incremental=True): {why}.")
+        if self.incremental and self.full_every_n_saves is None:
+            why = self._kinds.observe(result.incremental, cost, outgrew_bound)
+            if why:
+                rank_zero_info(f"AsyncCheckpoint(incremental=True): {why}.")
         decision = self._decide()
         if decision is not None:
             fields = {"mode": "auto" if self.auto else "fixed", **decision.to_fields()}

@@ -9,7 +9,9 @@ restore reads. So the chain continues while the last delta's true cost (blocked 
 the cadence measures it) stays under :data:`DELTA_COST_RATIO` of a full save's (the median of
 the last few); else the next saves are full. Which kind pays can change as training goes (the
 rows an interval touches change with the data and the cadence), so a delta is tried again
-after 2 full saves, then 4, 8, up to :data:`MAX_FULL_RUN` while deltas keep losing.
+after 2 full saves, then 4, 8, up to :data:`MAX_FULL_RUN` while deltas keep losing. A first delta
+whose rows alone outgrow the chain's restore bound (the writer then writes the save full, after
+comparing every row for nothing) loses the same way.
 
 The chain's restore time is bounded separately (``chain.next_delta_budget``); ``full_every_n_saves``
 overrides both. Hand-written: Check-N-Run's policy is described, not shipped, and TorchRec's
@@ -39,8 +41,18 @@ class SaveKindChooser:
         self._full_run = 1  # full saves to write after the next losing delta (doubles while deltas lose)
         self._fulls_to_go = 0  # full saves still to write before a delta is tried again
 
-    def observe(self, incremental: bool, cost_s: float) -> str | None:
-        """Record a committed save's true cost; returns a sentence when deltas just stopped paying."""
+    def observe(self, incremental: bool, cost_s: float, outgrew_bound: bool = False) -> str | None:
+        """Record a committed save's true cost; returns a sentence when deltas just stopped paying.
+
+        ``outgrew_bound``: the save was staged as the first delta of a chain and written full, its rows
+        alone over the chain's restore bound. It lost like a costly delta (its rows were compared for
+        nothing), and its cost, a full save's plus that comparison, is no full save's.
+        """
+        if outgrew_bound:
+            self._fulls_to_go = self._back_off()
+            return (f"the rows changed since the last save alone outgrew the chain's restore bound (a delta may hold "
+                    f"half a full save), so the next {self._fulls_to_go} saves are full without comparing rows, "
+                    "then a delta is tried again")
         if not incremental:
             self._full_costs.append(max(cost_s, 0.0))
             self._fulls_to_go = max(self._fulls_to_go - 1, 0)
@@ -50,11 +62,15 @@ class SaveKindChooser:
         if full is None or self._last_delta_cost < DELTA_COST_RATIO * full:
             self._full_run = 1
             return None
-        self._full_run = min(2 * self._full_run, MAX_FULL_RUN)
-        self._fulls_to_go = self._full_run
+        self._fulls_to_go = self._back_off()
         return (f"the last delta cost {self._last_delta_cost:.2f} s (blocked + slowdown), a full save "
                 f"{full:.2f} s: deltas pay only under {DELTA_COST_RATIO:.0%} of a full save here, so the next "
                 f"{self._fulls_to_go} saves are full, then a delta is tried again")
+
+    def _back_off(self) -> int:
+        """Deltas lost: how many full saves come before the next try (twice as many as last time)."""
+        self._full_run = min(2 * self._full_run, MAX_FULL_RUN)
+        return self._full_run
 
     @property
     def full_cost_s(self) -> float | None:

@@ -70,6 +70,7 @@ class WriteResult:
     rows_changed: int = 0  # (all ranks, deltas only) rows written of the rows compared
     rows_compared: int = 0
     delta_bytes: int = 0  # (deltas only) its row files and their index: what a restore of a chain reads of it
+    over_budget: bool = False  # staged as a delta, written full: its changed rows outgrew the chain's restore bound
 
     @property
     def blocked_s(self) -> float:
@@ -237,7 +238,7 @@ class CheckpointWriter:
         tmp = temp_path(final)
         snapshot.copy_late()
         rows = (0, 0)
-        incremental = snapshot.previous is not None
+        incremental = attempted = snapshot.previous is not None
         try:
             snapshot.wait_copied()
             state = snapshot.state["dcp"]
@@ -283,40 +284,55 @@ class CheckpointWriter:
         if self.rank != 0:
             return None
         return WriteResult(step, final, time.perf_counter() - start, nbytes, boundary_s, snapshot.settle_wait_s,
-                           snapshot.late_bytes, incremental, *rows, delta_bytes)
+                           snapshot.late_bytes, incremental, *rows, delta_bytes, attempted and not incremental)
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (this rank's alone without a group)."""
+        if not (self.collective and self.group is not None):
+            return [value]
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, value, group=self.group)
+        return everyone
+
+    @staticmethod
+    def _raise_if_any_failed(everyone: list[tuple[str | None, int]], what: str) -> None:
+        failed = [(rank, said) for rank, (said, _) in enumerate(everyone) if said is not None]
+        if failed:
+            raise CheckpointWriteError(f"rank {failed[0][0]} could not {what} its rows: {failed[0][1]}")
 
     def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None
                     ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]], dict[str, Any] | None]:
-        """This rank's changed rows into ``tmp``, then one agreement of every rank: all fine and within ``budget``?
+        """This rank's changed rows into ``tmp``, agreed with every rank: all fine and within ``budget``?
 
         Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum, and
         on rank 0 the delta's fields: ``tracked``, the row-tracked tensors' key paths of every rank (each
         rank holds its own tables' optimizer state), and ``index``, where each rank's file's records lie
         (:func:`delta.spans`), so that a restore opens only the files that hold its rows).
-        The agreement comes before DCP's collective write, so a rank that failed here (out of
-        memory, disk full) fails the save on every rank instead of leaving them in the collective;
-        rows over budget turn the save into a full one on every rank (the restore bound holds).
+        The rows' size is agreed before they are written: rows over budget turn the save into a full one
+        on every rank (the restore bound holds), and nothing is written for them. Whether every rank
+        wrote its rows is agreed before DCP's collective write, so a rank that failed (out of memory,
+        disk full) fails the save on every rank instead of leaving them in the collective.
         """
         error: str | None = None
+        records: list[Any] = []
         nbytes, rows, sums, spans = 0, (0, 0), {}, []
         try:
             records, changed, compared = delta.diff(snapshot.state["dcp"], snapshot.previous or {})
             nbytes, rows, spans = delta.records_nbytes(records), (changed, compared), delta.spans(records)
-            tmp.mkdir(parents=True, exist_ok=True)
-            sums = delta.write(records, tmp, self.rank)
-            del records  # the gathered rows: freed before DCP's write
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
             error = explain(e, tmp)
-        everyone: list[Any] = [(error, nbytes)]
-        if self.collective and self.group is not None:
-            everyone = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(everyone, (error, nbytes), group=self.group)
-        failed = [(rank, said) for rank, (said, _) in enumerate(everyone) if said is not None]
-        if failed:
-            raise CheckpointWriteError(f"rank {failed[0][0]} could not write its rows: {failed[0][1]}")
+        everyone = self._all_gather((error, nbytes))
+        self._raise_if_any_failed(everyone, "compare")
         if budget is not None and sum(n for _, n in everyone) > budget:
-            (tmp / delta.DELTA_FILE.format(rank=self.rank)).unlink(missing_ok=True)
             return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            sums = delta.write(records, tmp, self.rank)
+        except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+            error = explain(e, tmp)
+        finally:
+            del records  # the gathered rows: freed before DCP's write
+        self._raise_if_any_failed(self._all_gather((error, nbytes)), "write")
         # Rank 0 alone writes the manifest and the index: only it gets every rank's keys and spans.
         ours = (sorted(list(key) for key, _ in delta.sharded_leaves(snapshot.state["dcp"])), self.rank, spans)
         gathered: list[Any] | None = [ours]

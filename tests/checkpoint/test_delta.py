@@ -200,9 +200,12 @@ def test_rows_over_the_budget_make_the_save_full_and_a_mostly_changed_shard_is_w
     table = torch.zeros(100, 4)
     saves.save(1, {"t": one_shard(table)})
     table[:3] += 1  # 3 rows: 3 x (16 + 8) bytes
-    assert not saves.save(2, {"t": one_shard(table)}, budget=50).incremental  # over the budget: full
+    over = saves.save(2, {"t": one_shard(table)}, budget=50)  # over the budget: full, and no delta file written
+    assert not over.incremental and over.over_budget
+    assert not list((tmp_path / fmt.checkpoint_name(2)).glob("delta-*"))
     table[:3] += 1
-    assert saves.save(3, {"t": one_shard(table)}, budget=100).incremental
+    within = saves.save(3, {"t": one_shard(table)}, budget=100)
+    assert within.incremental and not within.over_budget
     (record,) = delta.read(tmp_path / fmt.checkpoint_name(3))
     assert record.rows.tolist() == [0, 1, 2]
     table[:90] += 1  # most rows: the shard whole, no row numbers

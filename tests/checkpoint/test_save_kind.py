@@ -70,3 +70,12 @@ def test_asynccheckpoint_asks_the_costs_before_a_delta_and_full_every_n_saves_ov
             if not due[-1]:
                 checkpoint._kinds.observe(False, 3.9)
         assert due == expected
+
+
+def test_a_first_delta_whose_rows_alone_outgrow_the_restore_bound_backs_off_without_counting_as_a_full_cost():
+    chooser = SaveKindChooser()
+    chooser.observe(False, 4.0)
+    said = chooser.observe(False, 9.0, outgrew_bound=True)  # a full save's write plus a comparison for nothing
+    assert said is not None and "next 2 saves are full" in said
+    assert not chooser.delta_pays() and chooser.full_cost_s == 4.0
+    assert kinds_chosen(chooser, 4.0, 1.0, 4)[1:] == ["full", "delta", "delta"]  # 2 full saves, then a delta that pays
