@@ -79,3 +79,26 @@ def test_a_first_delta_whose_rows_alone_outgrow_the_restore_bound_backs_off_with
     assert said is not None and "next 2 saves are full" in said
     assert not chooser.delta_pays() and chooser.full_cost_s == 4.0
     assert kinds_chosen(chooser, 4.0, 1.0, 4)[1:] == ["full", "delta", "delta"]  # 2 full saves, then a delta that pays
+
+
+def test_asynccheckpoint_backs_off_only_when_the_first_delta_of_a_chain_outgrows_the_bound(tmp_path):
+    """A delta written full at a chain's end is the chain's natural end; written full at its start, deltas lost."""
+    from lightning_ett import AsyncCheckpoint
+    from lightning_ett.checkpoint.writer import WriteResult
+
+    gib = 1 << 30
+    trainer = SimpleNamespace(world_size=2, is_global_zero=True, loggers=[], global_step=1)
+    checkpoint = AsyncCheckpoint(tmp_path, every_n_train_steps=1, incremental=True)
+    checkpoint._stager = SimpleNamespace(has_base=True, nbytes=0)
+
+    def committed(incremental: bool, over_budget: bool = False) -> None:
+        blocked = 0.1 if incremental else 1.0  # what each save cost training: deltas pay
+        checkpoint._report(trainer, WriteResult(1, tmp_path, 1.0, 2 * gib, blocked, incremental=incremental,
+                                                delta_bytes=40 << 20 if incremental else 0, over_budget=over_budget))
+
+    committed(False)
+    committed(True)
+    committed(False, over_budget=True)  # the chain's next delta did not fit: a new chain starts, deltas go on
+    assert checkpoint._kinds.delta_pays() and checkpoint._delta_due(trainer)
+    committed(False, over_budget=True)  # the first delta of that chain alone did not fit
+    assert not checkpoint._kinds.delta_pays() and not checkpoint._delta_due(trainer)
