@@ -340,3 +340,38 @@ def test_a_full_disk_is_reported_as_such_with_the_path(tmp_path, small_disk):
     assert "No space left on device" in text and "FrameSummary" not in text and "unexpected pos" not in text, text
     assert not fmt.committed(ckpt)  # nothing that could pass for a checkpoint
     assert not list(ckpt.glob("*.tmp"))  # and the failed write's files are gone at once: the disk is full
+
+
+def test_a_save_that_waits_for_the_previous_one_is_not_charged_the_wait_and_skips_warn_once(tmp_path, monkeypatch):
+    """when_busy='wait': the wait is the previous save's (its interval is shorter than its write), not the new
+    save's cost, which "auto" and the incremental cost rule read; skips warn once a fit, then a count at its end."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    class Metrics(DummyLogger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[dict[str, float]] = []
+
+        def log_metrics(self, metrics, step=None):  # type: ignore[no-untyped-def]
+            self.logged.append(dict(metrics))
+
+    monkeypatch.setenv("LIGHTNING_ETT_FAULT_WRITE_DELAY_S", "0.4")  # every write held 0.4 s before its commit
+    logger = Metrics()
+    checkpoint = AsyncCheckpoint(tmp_path / "ckpt", every_n_train_steps=2, when_busy="wait", keep_last_n=1)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=8, callbacks=[checkpoint], logger=logger,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    started = time.perf_counter()
+    trainer.fit(BoringModel())
+    assert time.perf_counter() - started > 4 * 0.4  # the saves did wait for each other
+    blocked = [m["checkpoint/blocked_s"] for m in logger.logged if "checkpoint/blocked_s" in m]
+    assert len(blocked) == 4 and max(blocked) < 0.2, blocked
+
+    skipping = AsyncCheckpoint(tmp_path / "skip", every_n_train_steps=1, when_busy="skip", keep_last_n=1)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=12, callbacks=[skipping], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(BoringModel())
+    said = [str(w.message) for w in caught if "AsyncCheckpoint" in str(w.message)]
+    assert skipping.skipped >= 2
+    assert sum("skipping the save of step" in s for s in said) == 1
+    assert sum(f"{skipping.skipped} saves were skipped in this fit" in s for s in said) == 1

@@ -220,6 +220,8 @@ class AsyncCheckpoint(Checkpoint):
         self._said_no_delta = False
         self._deltas_in_chain = 0
         self._kinds = SaveKindChooser()  # rank 0: what deltas and full saves cost
+        self._final_step: int | None = None  # the step of the last save of a fit (its cost is no save's cost)
+        self._skipped_this_fit = 0
         # resumable state
         self.last_saved_step = -1
         self.saves = 0
@@ -274,6 +276,7 @@ class AsyncCheckpoint(Checkpoint):
         self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
                                         device=trainer.strategy.root_device)
         self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
+        self._final_step, self._skipped_this_fit = None, 0
         if self.incremental and not collective:
             rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
                            "tables, so every save is full. Incremental saves need ETTStrategy.")
@@ -493,11 +496,17 @@ class AsyncCheckpoint(Checkpoint):
                     return
             if busy and not final and self.when_busy == "skip":
                 self.skipped += 1
-                rank_zero_warn(f"AsyncCheckpoint: skipping the save of step {step}: the previous save is still being "
-                               "written (when_busy='skip'). Save less often or pass when_busy='wait'.")
+                self._skipped_this_fit += 1
+                if self._skipped_this_fit == 1:  # once a fit; the end of fit gives the count
+                    rank_zero_warn(f"AsyncCheckpoint: skipping the save of step {step}: the previous save is still "
+                                   "being written (when_busy='skip'). Save less often or pass when_busy='wait'. "
+                                   "Later skips are counted, not repeated.")
                 return
             if busy:
                 self._wait_agreed(trainer)
+                start = time.perf_counter()  # that wait is the previous save's, not this one's cost (the phase keeps it)
+            if final:
+                self._final_step = step
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             split = getattr(trainer.strategy, "dcp_checkpoint_tensors", None)
             if callable(split):
@@ -560,12 +569,14 @@ class AsyncCheckpoint(Checkpoint):
                            "write apart (with no tables, incremental=True costs nothing either).")
         elif self.full_every_n_saves is None and self._delta_budget(trainer) <= 0:
             self._said_no_delta = True
+            needed = 2 * DELTA_OPEN_BYTES_PER_RANK * trainer.world_size / 2**20
             rank_zero_info(
                 f"AsyncCheckpoint(incremental=True): every save will be full: a full save here is "
-                f"{self._full_bytes / 2**20:.0f} MiB over {trainer.world_size} ranks, and a chain is kept to what "
+                f"{self._full_bytes / 2**20:.1f} MiB over {trainer.world_size} ranks, and a chain is kept to what "
                 f"restores in 1.5 full restores, counting {DELTA_OPEN_BYTES_PER_RANK >> 20} MiB per rank for each "
-                "delta's files (on tables this small a full save is cheap). full_every_n_saves=N forces deltas; "
-                "incremental=False frees the second staging copy of the tables.")
+                f"delta's files, so deltas start above {needed:.0f} MiB of full save here (on tables this small a "
+                "full save is cheap). full_every_n_saves=N forces deltas; incremental=False frees the second "
+                "staging copy of the tables.")
 
     def _delta_budget(self, trainer: pl.Trainer) -> float:
         """Rank 0: the bytes of rows the next delta may hold before the chain outgrows its bound (inf: no bound)."""
@@ -630,7 +641,8 @@ class AsyncCheckpoint(Checkpoint):
         metrics["checkpoint/incremental"] = float(result.incremental)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
         metrics["checkpoint/save_cost_s"] = cost
-        if self.incremental and self.full_every_n_saves is None:
+        if self.incremental and self.full_every_n_saves is None and result.step != self._final_step:
+            # (the last save of a fit has no steps after it to slow down: its cost would read as blocked time alone)
             why = self._kinds.observe(result.incremental, cost, outgrew_bound)
             if why:
                 rank_zero_info(f"AsyncCheckpoint(incremental=True): {why}.")
@@ -687,6 +699,10 @@ class AsyncCheckpoint(Checkpoint):
             self._save(trainer, final=True)
         with record_phase(Phase.CHECKPOINT_SAVE, trainer.global_step):
             self._wait_agreed(trainer)  # the job is not done before its last save is durable
+        if self._skipped_this_fit > 1:
+            rank_zero_warn(f"AsyncCheckpoint: {self._skipped_this_fit} saves were skipped in this fit: the previous save "
+                           "was still being written each time (when_busy='skip'). Save less often or pass "
+                           "when_busy='wait'.")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -102,3 +102,17 @@ def test_asynccheckpoint_backs_off_only_when_the_first_delta_of_a_chain_outgrows
     assert checkpoint._kinds.delta_pays() and checkpoint._delta_due(trainer)
     committed(False, over_budget=True)  # the first delta of that chain alone did not fit
     assert not checkpoint._kinds.delta_pays() and not checkpoint._delta_due(trainer)
+
+
+def test_the_last_save_of_a_fit_is_no_measure_of_what_its_kind_costs(tmp_path):
+    """No step runs after it, so its cost reads as its blocked time alone (a full save at 0.006 s, seen by a user)."""
+    from lightning_ett import AsyncCheckpoint
+    from lightning_ett.checkpoint.writer import WriteResult
+
+    trainer = SimpleNamespace(world_size=2, is_global_zero=True, loggers=[], global_step=9)
+    checkpoint = AsyncCheckpoint(tmp_path, every_n_train_steps=1, incremental=True)
+    checkpoint._stager = SimpleNamespace(has_base=True, nbytes=0)
+    checkpoint._report(trainer, WriteResult(3, tmp_path, 1.0, 1 << 30, 2.0))
+    checkpoint._final_step = 9
+    checkpoint._report(trainer, WriteResult(9, tmp_path, 1.0, 1 << 30, 0.006))
+    assert checkpoint._kinds.full_cost_s == 2.0

@@ -199,12 +199,14 @@ def test_row_wise_tables_with_per_element_adagrad_resume_exactly_from_a_chain(tm
 def test_a_kill_while_a_delta_is_written_leaves_nothing_complete_and_the_restart_resumes_from_the_last_commit(
         tmp_path, uninterrupted_dlrm):
     # Deltas are held 3 s between their data files (every rank's, agreed) and rank 0's commit; saves due meanwhile
-    # are skipped. Rank 0 is killed at the first step from 8 on at which a delta is in flight (the delta of step 4 on
-    # a quick host; a later one on a slow host that finished it): all its data is on disk, its manifest is not. (Had
-    # rank 0 lived, it would rightly have committed it: every rank had written its part.)
+    # are skipped. Rank 0 is killed at the first step from 8 on at which a delta is in flight with its rows on disk
+    # (the delta of step 4 on a quick host; a later one on a slow host that finished it): all its data is on disk,
+    # its manifest is not. (Had rank 0 lived, it would rightly have committed it: every rank had written its part.)
+    # Steps sleep 0.1 s, so the first, full save is committed before step 8 however quick the steps are (on a host
+    # where steps outran it, it was still in flight at step 10 and the only delta was the final, blocking one).
     ckpt = tmp_path / "ckpt"
     proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", *CHAIN, "--when-busy", "skip",
-                  "--ckpt-dir", str(ckpt), "--kill-at", "8", "--kill-rank", "0", "--kill-when-writing",
+                  "--ckpt-dir", str(ckpt), "--kill-at", "8", "--kill-rank", "0", "--kill-when-writing", "--step-sleep", "0.1",
                   run_dir=tmp_path / "ett", max_restarts=1,
                   LIGHTNING_ETT_FAULT_WRITE_DELAY_S="3", LIGHTNING_ETT_FAULT_WRITE_DELAY_KIND="delta")
     assert proc.returncode == 0, proc.stderr[-4000:]

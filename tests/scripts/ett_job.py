@@ -81,14 +81,15 @@ class ShardedDLRM(LightningModule):
 
     def kill_due(self) -> bool:
         """At ``kill_at`` on ``kill_rank``; with ``kill_when_writing``, at the first step from then on at which this
-        rank's AsyncCheckpoint has a save in flight after one committed (a slow host may finish a save before a
-        fixed step, or still be writing the first, full one)."""
+        rank's AsyncCheckpoint has a save in flight after one committed, with its rows on disk (a slow host may
+        finish a save before a fixed step, still be writing the first, full one, or still be comparing rows)."""
         if self.kill_at is None or self.global_rank != self.kill_rank or self.global_step < self.kill_at:
             return False
         if not self.kill_when_writing:
             return self.global_step == self.kill_at
         return any(isinstance(c, AsyncCheckpoint) and c._writer is not None and c._writer.busy
                    and any(not p.name.endswith(".tmp") for p in Path(c.dirpath).glob("step-*"))  # a delta, then
+                   and any(Path(c.dirpath).glob("step-*.tmp/delta-rank*"))  # its rows written, its commit not yet
                    for c in self.trainer.callbacks)
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
