@@ -221,6 +221,7 @@ class AsyncCheckpoint(Checkpoint):
         self._deltas_in_chain = 0
         self._kinds = SaveKindChooser()  # rank 0: what deltas and full saves cost
         self._final_step: int | None = None  # the step of the last save of a fit (its cost is no save's cost)
+        self._first_step: int | None = None  # and of its first
         self._skipped_this_fit = 0
         # resumable state
         self.last_saved_step = -1
@@ -276,7 +277,7 @@ class AsyncCheckpoint(Checkpoint):
         self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
                                         device=trainer.strategy.root_device)
         self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
-        self._final_step, self._skipped_this_fit = None, 0
+        self._final_step, self._first_step, self._skipped_this_fit = None, None, 0
         if self.incremental and not collective:
             rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
                            "tables, so every save is full. Incremental saves need ETTStrategy.")
@@ -507,6 +508,8 @@ class AsyncCheckpoint(Checkpoint):
                 start = time.perf_counter()  # that wait is the previous save's, not this one's cost (the phase keeps it)
             if final:
                 self._final_step = step
+            if self._first_step is None:
+                self._first_step = step  # the fit's first save allocates the staging buffers: no typical cost
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             split = getattr(trainer.strategy, "dcp_checkpoint_tensors", None)
             if callable(split):
@@ -643,7 +646,8 @@ class AsyncCheckpoint(Checkpoint):
         metrics["checkpoint/save_cost_s"] = cost
         if self.incremental and self.full_every_n_saves is None and result.step != self._final_step:
             # (the last save of a fit has no steps after it to slow down: its cost would read as blocked time alone)
-            why = self._kinds.observe(result.incremental, cost, outgrew_bound)
+            typical = not result.over_budget and result.step != self._first_step
+            why = self._kinds.observe(result.incremental, cost, outgrew_bound, typical)
             if why:
                 rank_zero_info(f"AsyncCheckpoint(incremental=True): {why}.")
         decision = self._decide()

@@ -2,10 +2,12 @@
 
 Why: a delta is worth writing only while it costs less than a full save. On a heavy-tailed id
 stream an interval touches few rows, and a delta costs a fraction of a full save (Zipf 1.05 on
-the reference job: 0.75 s against 4.1 s of true cost). On a uniform stream over an interval long
-enough to touch most rows it costs *more* (4.7 s against 3.9 s: every row is compared, the
-changed ones gathered, then nearly all written anyway), and each delta lengthens the chain a
-restore reads. So the chain continues while the last delta's true cost (blocked + slowdown, as
+the reference job: 0.6-0.9 s of true cost, where steady full saves cost 1-4 s and a fit's first,
+which allocates the staging buffers, 5-9 s). On a uniform stream over an interval long enough to
+touch most rows it can cost as much (every row is compared, the changed ones gathered, then
+nearly all written anyway), and each delta lengthens the chain a restore reads. A full save's
+reference cost is the median of its last few *typical* ones: not a fit's first, nor a delta the
+writer turned full. So the chain continues while the last delta's true cost (blocked + slowdown, as
 the cadence measures it) stays under :data:`DELTA_COST_RATIO` of a full save's (the median of
 the last few); else the next saves are full. Which kind pays can change as training goes (the
 rows an interval touches change with the data and the cadence), so a delta is tried again
@@ -41,12 +43,14 @@ class SaveKindChooser:
         self._full_run = 1  # full saves to write after the next losing delta (doubles while deltas lose)
         self._fulls_to_go = 0  # full saves still to write before a delta is tried again
 
-    def observe(self, incremental: bool, cost_s: float, outgrew_bound: bool = False) -> str | None:
+    def observe(self, incremental: bool, cost_s: float, outgrew_bound: bool = False, typical: bool = True) -> str | None:
         """Record a committed save's true cost; returns a sentence when deltas just stopped paying.
 
         ``outgrew_bound``: the save was staged as the first delta of a chain and written full, its rows
         alone over the chain's restore bound. It lost like a costly delta (its rows were compared for
-        nothing), and its cost, a full save's plus that comparison, is no full save's.
+        nothing). ``typical=False``: a full save whose cost is no full save's — a fit's first (it
+        allocates the staging buffers: 5-9 s where later ones cost 1-4 s on the benchmark's job) or a
+        delta the writer turned full (a comparison for nothing on top).
         """
         if outgrew_bound:
             self._fulls_to_go = self._back_off()
@@ -54,7 +58,8 @@ class SaveKindChooser:
                     f"half a full save), so the next {self._fulls_to_go} saves are full without comparing rows, "
                     "then a delta is tried again")
         if not incremental:
-            self._full_costs.append(max(cost_s, 0.0))
+            if typical:
+                self._full_costs.append(max(cost_s, 0.0))
             self._fulls_to_go = max(self._fulls_to_go - 1, 0)
             return None
         self._last_delta_cost = max(cost_s, 0.0)

@@ -236,9 +236,14 @@ class OwnerLock:
                 return current
             if outcome == "busy":  # another acquirer is taking it over: see what it leaves
                 claim_wait_until = claim_wait_until or time.monotonic() + self.stale_after_s + 1.0
-                if time.monotonic() < claim_wait_until:
-                    tries -= 1
-                    time.sleep(_CLAIM_POLL_S)
+                if time.monotonic() >= claim_wait_until:
+                    raise DirectoryInUseError(
+                        f"{self.what}: another process has been taking over its stale lock {str(self.path)!r} for "
+                        f"{self.stale_after_s + 1.0:.0f} s without finishing (its claim: "
+                        f"{self.path!s}.takeover-*, naming that process). If that process is gone, delete the "
+                        "claim file and start again.")
+                tries -= 1
+                time.sleep(_CLAIM_POLL_S)
         raise DirectoryInUseError(f"{self.what}: could not take its lock {str(self.path)!r} after {_RETRIES} tries: "
                                   "other processes keep acquiring it. Is another job starting into it?")
 
@@ -250,12 +255,12 @@ class OwnerLock:
         owner, self.owner = self.owner, None
         if owner is None:
             return
-        with _held_lock:
-            _held.discard(owner.token)
         seen = self._read(self.path)
         if seen is not None and Owner.parse(seen[0]) == owner:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+        with _held_lock:  # only now: until the unlink, another thread here must judge the lock alive, not abandoned
+            _held.discard(owner.token)
         if _declared_gone(self.path, owner.token) is not None:  # it was alive after all (e.g. a partition healed)
             withdraw_gone(self.directory, self.path.name)
 
@@ -355,6 +360,9 @@ class OwnerLock:
             seen = self._read(self.path)
             if seen is None or seen[0] != raw:
                 return "lost"
+            current = Owner.parse(raw)
+            if current is not None and self._judge(current, me, seen[1])[0] is None:
+                return "lost"  # judged again with its fresh age: it refreshed its heartbeat meanwhile, it is alive
             self._replace(data)
             return "won"
         finally:

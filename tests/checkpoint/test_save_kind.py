@@ -116,3 +116,20 @@ def test_the_last_save_of_a_fit_is_no_measure_of_what_its_kind_costs(tmp_path):
     checkpoint._final_step = 9
     checkpoint._report(trainer, WriteResult(9, tmp_path, 1.0, 1 << 30, 0.006))
     assert checkpoint._kinds.full_cost_s == 2.0
+
+
+def test_untypical_full_saves_do_not_set_the_reference_and_the_callback_keeps_the_record_across_a_restart(tmp_path):
+    from lightning_ett import AsyncCheckpoint
+
+    chooser = SaveKindChooser()
+    chooser.observe(False, 8.0, typical=False)  # a fit's first save: it allocated the staging buffers
+    chooser.observe(False, 2.0)
+    chooser.observe(False, 9.0, typical=False)  # a delta the writer turned full
+    assert chooser.full_cost_s == 2.0
+    assert chooser.observe(True, 1.9) is not None  # 95 % of a typical full save: deltas stop
+
+    checkpoint = AsyncCheckpoint(tmp_path, every_n_train_steps=1, incremental=True)
+    checkpoint._kinds = chooser
+    restored = AsyncCheckpoint(tmp_path, every_n_train_steps=1, incremental=True)
+    restored.load_state_dict(checkpoint.state_dict())
+    assert restored._kinds.state_dict() == chooser.state_dict() and not restored._kinds.delta_pays()

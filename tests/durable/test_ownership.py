@@ -377,3 +377,37 @@ def test_an_acquirer_waits_for_a_live_claimant_and_then_judges_what_it_left(tmp_
     assert read_owner(tmp_path / LOCK) == acquirer.owner
     acquirer.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_owner_releasing_is_never_judged_abandoned_by_another_thread_of_its_process(tmp_path, monkeypatch):
+    """Its token leaves the held set only after its lock is gone: a thread acquiring meanwhile is refused or wins a
+    free directory, never takes over a lock that is about to be unlinked (two owners: a reviewer's interleaving)."""
+    first = lock(tmp_path, job_id="job-a")
+    first.acquire()
+    seen: list[str] = []
+    real_read = OwnerLock._read
+
+    def read_during_release(self, path):  # type: ignore[no-untyped-def]
+        result = real_read(self, path)
+        if self is first and not seen:  # the releaser has read its lock and is about to unlink it
+            try:
+                lock(tmp_path, on_takeover=lambda said: seen.append(said)).acquire()
+                seen.append("won")
+            except DirectoryInUseError:
+                seen.append("refused")
+        return result
+
+    monkeypatch.setattr(OwnerLock, "_read", read_during_release)
+    first.release()
+    assert seen == ["refused"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_takeover_that_never_finishes_is_named_once_the_wait_is_over(tmp_path):
+    plant(tmp_path, pid=dead_pid(), process_start=None)
+    claimant = replace(Owner.me("job-c", 0), pid=os.getppid(), process_start=process_start_ticks(os.getppid()))
+    claim_of(tmp_path).write_bytes(claimant.to_bytes())  # a live process that never finishes its takeover
+    started = time.monotonic()
+    with pytest.raises(DirectoryInUseError, match=r"taking over its stale lock .* without finishing .*takeover-\*"):
+        lock(tmp_path, heartbeat_s=0.5, stale_after_s=1.0).acquire()
+    assert 1.5 < time.monotonic() - started < 10
