@@ -208,7 +208,7 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
         callbacks.append(SaveAt(spec["save_at"], out / spec["name"] / "ckpt"))
     if spec.get("callbacks"):
         callbacks += [ETTMonitor(report_on_end=False),  # the ledger of `lightning run`'s run directory
-                      AsyncCheckpoint(out / spec["name"] / "async", every_n_train_steps=10, keep_last_n=5),
+                      AsyncCheckpoint(out / spec["name"] / "async", every_n_train_steps=10, keep_last_n=5, when_busy="wait"),
                       DynamicShapes(), CompileCache(out / spec["name"] / "compile-cache")]
     val_every = spec.get("val_every")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, callbacks=callbacks,
