@@ -125,7 +125,7 @@ class AsyncCheckpoint(Checkpoint):
             slowly too, and on small tables a full save is cheap anyway; see
             ``chain.next_delta_budget``). A save is also full while deltas cost about as much
             as full saves, by their measured true cost (blocked + slowdown): a delta must cost
-            under 80 % of a full save, else the next 2 saves are full, then a delta is tried
+            under 80 % of a full save; after two in a row that do not, the next 2 saves are full, then a delta is tried
             again (after 4, 8, up to 16 while deltas keep losing; ``save_kind``): on ids spread
             uniformly over the tables most rows change between saves, and a delta costs more
             than a full save. Peak host

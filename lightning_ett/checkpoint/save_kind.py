@@ -9,7 +9,7 @@ nearly all written anyway), and each delta lengthens the chain a restore reads. 
 reference cost is the median of its last few *typical* ones: not a fit's first, nor a delta the
 writer turned full. So the chain continues while the last delta's true cost (blocked + slowdown, as
 the cadence measures it) stays under :data:`DELTA_COST_RATIO` of a full save's (the median of
-the last few); else the next saves are full. Which kind pays can change as training goes (the
+the last few); once two deltas in a row cost more, the next saves are full. Which kind pays can change as training goes (the
 rows an interval touches change with the data and the cadence), so a delta is tried again
 after 2 full saves, then 4, 8, up to :data:`MAX_FULL_RUN` while deltas keep losing. A first delta
 whose rows alone outgrow the chain's restore bound (the writer then writes the save full, after
@@ -32,6 +32,7 @@ DELTA_COST_RATIO = 0.8
 #: Most full saves in a row before a delta is tried again.
 MAX_FULL_RUN = 16
 _FULL_WINDOW = 3
+_LOSING_TO_BACK_OFF = 2  # deltas in a row that must lose before the first back-off
 
 
 class SaveKindChooser:
@@ -42,6 +43,7 @@ class SaveKindChooser:
         self._last_delta_cost: float | None = None
         self._full_run = 1  # full saves to write after the next losing delta (doubles while deltas lose)
         self._fulls_to_go = 0  # full saves still to write before a delta is tried again
+        self._losing = 0  # deltas in a row that cost too much (reset by one that pays)
 
     def observe(self, incremental: bool, cost_s: float, outgrew_bound: bool = False, typical: bool = True) -> str | None:
         """Record a committed save's true cost; returns a sentence when deltas just stopped paying.
@@ -65,8 +67,11 @@ class SaveKindChooser:
         self._last_delta_cost = max(cost_s, 0.0)
         full = self.full_cost_s
         if full is None or self._last_delta_cost < DELTA_COST_RATIO * full:
-            self._full_run = 1
+            self._full_run, self._losing = 1, 0
             return None
+        self._losing += 1
+        if self._losing < _LOSING_TO_BACK_OFF:
+            return None  # one reading is no verdict (a straggler, a pause): the next delta decides
         self._fulls_to_go = self._back_off()
         return (f"the last delta cost {self._last_delta_cost:.2f} s (blocked + slowdown), a full save "
                 f"{full:.2f} s: deltas pay only under {DELTA_COST_RATIO:.0%} of a full save here, so the next "
@@ -87,7 +92,7 @@ class SaveKindChooser:
 
     def state_dict(self) -> dict[str, Any]:
         return {"full_costs": list(self._full_costs), "last_delta_cost": self._last_delta_cost,
-                "full_run": self._full_run, "fulls_to_go": self._fulls_to_go}
+                "full_run": self._full_run, "fulls_to_go": self._fulls_to_go, "losing": self._losing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._full_costs.clear()
@@ -96,6 +101,7 @@ class SaveKindChooser:
         self._last_delta_cost = None if last is None else float(last)
         self._full_run = max(int(state.get("full_run", 1)), 1)
         self._fulls_to_go = max(int(state.get("fulls_to_go", 0)), 0)
+        self._losing = max(int(state.get("losing", 0)), 0)
 
 
 __all__ = ["DELTA_COST_RATIO", "MAX_FULL_RUN", "SaveKindChooser"]
