@@ -40,7 +40,6 @@ class SaveKindChooser:
 
     def __init__(self) -> None:
         self._full_costs: deque[float] = deque(maxlen=_FULL_WINDOW)
-        self._last_delta_cost: float | None = None
         self._full_run = 1  # full saves to write after the next losing delta (doubles while deltas lose)
         self._fulls_to_go = 0  # full saves still to write before a delta is tried again
         self._losing = 0  # deltas in a row that cost too much (reset by one that pays)
@@ -64,16 +63,16 @@ class SaveKindChooser:
                 self._full_costs.append(max(cost_s, 0.0))
             self._fulls_to_go = max(self._fulls_to_go - 1, 0)
             return None
-        self._last_delta_cost = max(cost_s, 0.0)
+        delta_cost = max(cost_s, 0.0)
         full = self.full_cost_s
-        if full is None or self._last_delta_cost < DELTA_COST_RATIO * full:
+        if full is None or delta_cost < DELTA_COST_RATIO * full:
             self._full_run, self._losing = 1, 0
             return None
         self._losing += 1
         if self._losing < _LOSING_TO_BACK_OFF:
             return None  # one reading is no verdict (a straggler, a pause): the next delta decides
         self._fulls_to_go = self._back_off()
-        return (f"the last delta cost {self._last_delta_cost:.2f} s (blocked + slowdown), a full save "
+        return (f"the last delta cost {delta_cost:.2f} s (blocked + slowdown), a full save "
                 f"{full:.2f} s: deltas pay only under {DELTA_COST_RATIO:.0%} of a full save here, so the next "
                 f"{self._fulls_to_go} saves are full, then a delta is tried again")
 
@@ -91,14 +90,12 @@ class SaveKindChooser:
         return self._fulls_to_go == 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"full_costs": list(self._full_costs), "last_delta_cost": self._last_delta_cost,
-                "full_run": self._full_run, "fulls_to_go": self._fulls_to_go, "losing": self._losing}
+        return {"full_costs": list(self._full_costs), "full_run": self._full_run,
+                "fulls_to_go": self._fulls_to_go, "losing": self._losing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._full_costs.clear()
         self._full_costs.extend(float(c) for c in state.get("full_costs", []))
-        last = state.get("last_delta_cost")
-        self._last_delta_cost = None if last is None else float(last)
         self._full_run = max(int(state.get("full_run", 1)), 1)
         self._fulls_to_go = max(int(state.get("fulls_to_go", 0)), 0)
         self._losing = max(int(state.get("losing", 0)), 0)
