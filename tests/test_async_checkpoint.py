@@ -173,6 +173,19 @@ def test_a_writer_failure_on_rank_zero_stops_every_ddp_rank(tmp_path):
     assert f"[rank1]: {failed} on another rank" in proc.stderr
 
 
+def test_a_failure_to_take_the_directory_lock_stops_every_ddp_rank(tmp_path):
+    # Rank 0 alone takes dirpath's lock; an OSError there (here: the lock's name is a directory) must stop rank 1
+    # too, not leave it waiting in the broadcast of rank 0's verdict.
+    (tmp_path / "ckpt" / ".ett-owner").mkdir(parents=True)
+    proc = run_script(JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--devices", "2",
+                      "--max-steps", "4", "--every", "2", timeout=240)
+    assert proc.returncode != 0
+    assert "[rank0]: IsADirectoryError: [Errno 21] AsyncCheckpoint: taking the lock of dirpath=" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "[rank1]: RuntimeError: AsyncCheckpoint: another rank could not take its dirpath's lock" in proc.stderr
+    assert steps_on_disk(tmp_path / "ckpt") == []
+
+
 def test_every_n_minutes_saves_on_rank_zeros_clock(tmp_path):
     # 0.004 min = 0.24 s between saves; 30 steps of 0.05 s: about 6 saves, each step after the interval.
     proc = run_job(tmp_path, "--max-steps", "30", "--every-minutes", "0.004", "--step-sleep", "0.05", "--keep", "50")

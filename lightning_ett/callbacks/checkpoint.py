@@ -300,6 +300,7 @@ class AsyncCheckpoint(Checkpoint):
         quietly; an owner that is gone, with a warning (:mod:`lightning_ett.durable.ownership`).
         """
         refusal: str | None = None
+        failure: OSError | None = None
         if trainer.is_global_zero and self._owner is None:
             job = resolve_job_context(export=False)
             owner = OwnerLock(self.dirpath, CHECKPOINT_OWNER_FILE, job.job_id, job.attempt,
@@ -312,6 +313,10 @@ class AsyncCheckpoint(Checkpoint):
                 self._owner = owner
             except DirectoryInUseError as err:
                 refusal = str(err)
+            except OSError as err:  # raised on rank 0 alone, it would leave the others in the broadcast below
+                failure = OSError(err.errno, f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} "
+                                             f"failed: {explain(err)}")
+        self._agree_or_raise(trainer, failure, "could not take its dirpath's lock")
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:
             raise DirectoryInUseError(refusal)

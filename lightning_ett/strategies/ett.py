@@ -600,8 +600,13 @@ class ETTStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         fused = self.fused_optimizer_instance
         with record_phase(Phase.CHECKPOINT_LOAD):
-            if fused is not None:
-                ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)
+            if fused is not None and (dropped := ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)):
+                kinds = ", ".join(sorted({key.rsplit(".", 1)[-1] for key in dropped}))  # e.g. momentum1
+                rank_zero_warn(
+                    f"ETTStrategy: the checkpoint {str(checkpoint['ett_checkpoint_dir'])!r} holds embedding optimizer "
+                    f"state that fused_optimizer={self.fused_optimizer!r} does not use, so it is not restored: "
+                    f"{kinds}. It was saved with another fused optimizer; to continue that "
+                    "one, resume with the ETTStrategy(fused_optimizer=...) it was saved with.")
             names = self._parameter_names()
             for optimizer, saved in zip(self.optimizers, checkpoint.get(ckpt.DENSE_KEY, [])):
                 ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
