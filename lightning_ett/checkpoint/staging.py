@@ -444,5 +444,6 @@ class Stager:
     def release(self) -> None:
         self._buffers = None
         self._base, self._spare = {}, {}
+        self._generation += 1  # a write still in flight (a crash's timed-out wait) must not mark a base afterwards
         self.nbytes = 0
 

@@ -310,3 +310,19 @@ def test_asynccheckpoint_counts_a_chain_by_its_delta_files_and_goes_full_before_
     saved(True, 1100 * mib, 1000 * mib)  # an outsized delta (a burst of changed rows)...
     saved(False, 2048 * mib)
     assert checkpoint._delta_due(trainer)  # ... says nothing about the next chain
+
+
+def test_a_commit_that_lands_after_the_stager_was_released_marks_no_base(tmp_path, one_rank):
+    # After a crash AsyncCheckpoint waits a bounded time for the save in flight, then releases the buffers; a commit
+    # landing later (the writer thread's on_committed) must neither fail on the released buffers nor revive a base.
+    from lightning_ett.checkpoint.staging import Stager
+
+    stager, table = Stager(), torch.zeros(8, 4)
+    state = {"dcp": {"model": {"t": one_shard(table)}}, "meta": {}}
+    committed = stager.stage(state, set(), keep_base=True)
+    stager.mark_base(committed)
+    assert stager.has_base
+    in_flight = stager.stage(state, set(), keep_base=True, as_delta=True)
+    stager.release()
+    stager.mark_base(in_flight)
+    assert not stager.has_base and stager.nbytes == 0
