@@ -172,6 +172,9 @@ def print_report(summary: Summary, console: Console | None = None) -> None:
     console.print(render_table(summary))
     if len(summary.attempts) > 1 or any(not a.completed for a in summary.attempts) or summary.outcome:
         console.print(render_attempts(summary))
+    if not summary.per_rank and summary.attempts:
+        console.print("[yellow]No training process recorded a phase, so there is no ETT% to measure: add "
+                      "ETTMonitor() to the Trainer's callbacks (the table shows the launcher's view alone).[/yellow]")
     for line in fact_lines(summary):  # (a log file: one line each, not cut at 80 columns mid-path)
         console.print(escape(line), style="red" if "error" in line else "", soft_wrap=not console.is_terminal)
     if summary.torn_records:

@@ -65,6 +65,7 @@ def test_malformed_lines_are_skipped_and_counted_and_the_numbers_do_not_change(t
     assert main(["report", str(tmp_path / "bad")]) == 0
     out = capsys.readouterr().out
     assert "ETT 60.0%" in out and f"{len(BAD_LINES)} ledger line(s) skipped" in out
+    assert "No training process recorded a phase" not in out  # the ranks did record theirs
     assert json.loads((tmp_path / "bad" / "ett_summary.json").read_text())["torn_records"] == len(BAD_LINES)
 
 
@@ -88,6 +89,16 @@ def test_a_script_that_exits_0_before_training_is_reported_as_finished_everywher
     # (Under the hang watch ETTMonitor opens its ledger when it is built, so the rank recorded its import phase.)
     assert "1 attempt(s), finished" in out and "│ finished" in out
     assert "running or failed" not in out and "no status" not in out
+
+
+def test_a_job_without_ettmonitor_is_told_why_its_report_has_no_ett(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("print('trained without ETTMonitor')\n")
+    proc = subprocess.run([LIGHTNING, "run", "--no-preload", "--run-dir", str(tmp_path / "run"), str(script)],
+                          check=False, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "No training process recorded a phase, so there is no ETT% to measure: add ETTMonitor()" in out, out
 
 
 def test_a_ledger_of_nothing_but_invalid_lines_says_how_many_it_skipped(tmp_path, capsys):
