@@ -186,6 +186,17 @@ def test_a_failure_to_take_the_directory_lock_stops_every_ddp_rank(tmp_path):
     assert steps_on_disk(tmp_path / "ckpt") == []
 
 
+def test_a_save_due_at_the_last_step_while_one_is_written_is_not_called_skipped(tmp_path):
+    # Each write takes >= 1 s; steps 5-12 take ~0.1 s: the saves of 8 and 12 come due while 4's (then 8's) is written.
+    proc = run_job(tmp_path, "--max-steps", "12", "--every", "4", "--when-busy", "skip", "--step-sleep", "0.01",
+                   "--keep", "5", LIGHTNING_ETT_FAULT_WRITE_DELAY_S="1.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping the save of step 8" in proc.stderr  # a real skip mid-fit is still said
+    assert "skipping the save of step 12" not in proc.stderr and "saves were skipped" not in proc.stderr
+    assert steps_on_disk(tmp_path / "ckpt")[-1] == 12  # the end of fit wrote it
+    assert result(tmp_path)["skipped"] == 1, result(tmp_path)
+
+
 def test_every_n_minutes_saves_on_rank_zeros_clock(tmp_path):
     # 0.004 min = 0.24 s between saves; 30 steps of 0.05 s: about 6 saves, each step after the interval.
     proc = run_job(tmp_path, "--max-steps", "30", "--every-minutes", "0.004", "--step-sleep", "0.05", "--keep", "50")

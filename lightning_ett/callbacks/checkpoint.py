@@ -500,7 +500,10 @@ class AsyncCheckpoint(Checkpoint):
                 self._next_save_step = step + (1 if postpone else max(int(interval), 1))
                 if postpone:
                     return
+            last = 0 < trainer.max_steps <= step  # the fit's last step: no steps after it
             if busy and not final and self.when_busy == "skip":
+                if last and self.save_on_train_end:
+                    return  # not a skip: the end of fit writes this step (a warning here would say it is lost)
                 self.skipped += 1
                 self._skipped_this_fit += 1
                 if self._skipped_this_fit == 1:  # once a fit; the end of fit gives the count
@@ -511,8 +514,8 @@ class AsyncCheckpoint(Checkpoint):
             if busy:
                 self._wait_agreed(trainer)
                 start = time.perf_counter()  # that wait is the previous save's, not this one's cost (the phase keeps it)
-            if final:
-                self._final_step = step
+            if final or last:
+                self._final_step = step  # (its cost reads as blocked time alone: no steps after it to slow down)
             if self._first_step is None:
                 self._first_step = step  # the fit's first save allocates the staging buffers: no typical cost
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)

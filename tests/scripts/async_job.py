@@ -137,7 +137,8 @@ def main() -> None:
     if trainer.global_rank != 0:
         return
     torch.save({"weights": {k: v.clone() for k, v in model.state_dict().items()}, "global_step": trainer.global_step,
-                "resumed_from": trainer.ckpt_path, "saves": checkpoint.saves}, out / "result.pt")
+                "resumed_from": trainer.ckpt_path, "saves": checkpoint.saves, "skipped": checkpoint.skipped},
+               out / "result.pt")
 
 
 if __name__ == "__main__":
