@@ -77,27 +77,27 @@ def test_a_malformed_fact_is_left_out_of_the_report(tmp_path, capsys):
     assert "checkpoint cadence" not in capsys.readouterr().out
 
 
-def test_a_script_that_exits_0_before_training_is_reported_as_finished_everywhere(tmp_path):
-    script = tmp_path / "early.py"
-    script.write_text("import sys\nfrom lightning_ett import ETTMonitor\nETTMonitor()\nsys.exit(0)\n")
+def run_script_text(tmp_path: Path, text: str) -> str:
+    """``text`` as a script under ``lightning run`` (no preload); its printed output, whitespace collapsed."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     proc = subprocess.run([LIGHTNING, "run", "--no-preload", "--run-dir", str(tmp_path / "run"), str(script)],
                           check=False, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return " ".join(proc.stdout.split())
+
+
+def test_a_script_that_exits_0_before_training_is_reported_as_finished_everywhere(tmp_path):
+    out = run_script_text(tmp_path, "import sys\nfrom lightning_ett import ETTMonitor\nETTMonitor()\nsys.exit(0)\n")
     summary = summarize_run_dir(tmp_path / "run")
     assert summary.outcome == "finished" and summary.completed and [a.completed for a in summary.attempts] == [True]
-    out = " ".join(proc.stdout.split())
     # (Under the hang watch ETTMonitor opens its ledger when it is built, so the rank recorded its import phase.)
     assert "1 attempt(s), finished" in out and "│ finished" in out
     assert "running or failed" not in out and "no status" not in out
 
 
 def test_a_job_without_ettmonitor_is_told_why_its_report_has_no_ett(tmp_path):
-    script = tmp_path / "plain.py"
-    script.write_text("print('trained without ETTMonitor')\n")
-    proc = subprocess.run([LIGHTNING, "run", "--no-preload", "--run-dir", str(tmp_path / "run"), str(script)],
-                          check=False, env=clean_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = " ".join(proc.stdout.split())
+    out = run_script_text(tmp_path, "print('trained without ETTMonitor')\n")
     assert "No training process recorded a phase, so there is no ETT% to measure: add ETTMonitor()" in out, out
 
 
