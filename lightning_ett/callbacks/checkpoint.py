@@ -307,7 +307,7 @@ class AsyncCheckpoint(Checkpoint):
                               what=f"AsyncCheckpoint(dirpath={str(self.dirpath)!r})",
                               fix="Stop that job first, or give this one a dirpath of its own (to start from the other's "
                               "weights, pass one of its checkpoints as fit(ckpt_path=...)).",
-                              earlier_attempts_are_stopped=True, on_takeover=rank_zero_warn)
+                              earlier_attempts_are_stopped=True, on_takeover=self._warn_takeover)
             try:
                 owner.acquire()
                 self._owner = owner
@@ -320,6 +320,15 @@ class AsyncCheckpoint(Checkpoint):
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:
             raise DirectoryInUseError(refusal)
+
+    def _warn_takeover(self, sentence: str) -> None:
+        """Another job's stale directory: say also what this job will start from (its checkpoints, by default)."""
+        newest = fmt.committed(self.dirpath)[-1:] if self.resume else []
+        if newest:
+            sentence += (f" Unless fit(ckpt_path=...) names another checkpoint, this job resumes from the newest complete "
+                         f"one here (at most {newest[0].path.name}); pass AsyncCheckpoint(resume=False) or another "
+                         "dirpath to start afresh.")
+        rank_zero_warn(sentence)
 
     def _clean_up_after_a_crash(self) -> OSError | None:
         """Rank 0: settle what a crashed attempt left (``.tmp``, ``.deleting``, ``.replaced``) and its publisher's pins."""

@@ -380,6 +380,7 @@ def test_a_live_jobs_run_dir_and_checkpoint_dir_are_refused_to_others_until_it_i
         fifth = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(other), *job, "--max-steps", steps)
         assert fifth.returncode == 0, fifth.stderr[-3000:]
         assert f"taking over from job 'run' (pid {workers[0]} on host {host!r}, attempt 0" in fifth.stderr
+        assert f"this job resumes from the newest complete one here (at most {newest.name})" in fifth.stderr
         assert not (ckpt / ".ett-owner").exists() and not list(run.glob(".ett-owner*"))  # released at the end
     finally:
         _kill_all(first, pids)
