@@ -95,10 +95,5 @@ def load_into(target: dict[str, Any], directory: Path) -> None:
     _load_state_dict(state_dict=target, storage_reader=FileSystemReader(directory), no_dist=True)  # in place: plain dicts
 
 
-def stored_keys(directory: Path) -> set[str]:
-    """The keys a checkpoint holds, flattened as DCP stores them (``fused.state.<param>.<state>``), from its metadata."""
-    return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()

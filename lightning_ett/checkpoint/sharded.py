@@ -15,7 +15,6 @@ an atomic rename): a directory without a valid manifest is refused on load, nami
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_ett.checkpoint import chain, dcp_io
-from lightning_ett.checkpoint.layout import chain_of, commit_checkpoint, read_meta, require_complete
+from lightning_ett.checkpoint.layout import commit_checkpoint, read_meta, require_complete
 from lightning_ett.checkpoint.writer import CheckpointWriteError
 from lightning_ett.durable.commit import discard_unfinished, temp_path
 from lightning_ett.durable.errors import ConfigurationError, explain, root_cause
@@ -33,6 +32,10 @@ from lightning_ett.durable.files import remove_path
 
 MODEL_KEY = "state_dict"
 DENSE_KEY = "optimizer_states"
+#: The fused (embedding) optimizer a checkpoint's ``fused`` state was saved with (``lightning.pt``): its state's
+#: meaning is the optimizer's, which the state's keys and shapes do not tell apart (fbgemm calls Adam's first
+#: moment and AdaGrad's sum both ``momentum1``, one value per element).
+FUSED_NAME_KEY = "ett_fused_optimizer"
 
 
 def _position_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
@@ -114,13 +117,7 @@ def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -
     model.load_state_dict(target["model"], strict=strict)
 
 
-def load_fused(path: str | os.PathLike, fused: Any) -> list[str]:
-    """Load the fused (embedding) optimizer's state; return the saved state this optimizer has no place for.
-
-    A checkpoint saved with another fused optimizer fails loudly when this one needs state it lacks or holds in
-    another shape; one that needs less (row-wise AdaGrad's sums, resumed under SGD) loads, and what is dropped is
-    returned for the caller to name.
-    """
+def load_fused(path: str | os.PathLike, fused: Any) -> None:
     if hasattr(fused, "init_state") and not fused.state_dict().get("state"):
         fused.init_state()  # KeyedOptimizer state is lazy: build it, or DCP has no targets to fill
     target = {"fused": fused.state_dict()}
@@ -143,24 +140,3 @@ def load_fused(path: str | os.PathLike, fused: Any) -> list[str]:
             "min_partition) cannot take it over. Resume with the same sharding type and min_partition for that "
             "table; 1D, 2D and any sharding_group_size may differ.") from e
     fused.load_state_dict(target["fused"])
-    return _saved_but_not_loaded(dcp_io.stored_keys(chain_of(Path(path))[0]), target["fused"].get("state", {}))
-
-
-def _saved_but_not_loaded(saved: set[str], state: dict[str, Any]) -> list[str]:
-    """The saved state of the tables this rank holds that ``state`` (a fused optimizer's, after the load) lacks.
-
-    Judged per table parameter this rank holds, as DCP flattens keys (``fused.state.<param>.<table>.<kind>``):
-    under table-wise sharding a rank's optimizer holds only its own tables' state, so a key saved by another
-    rank is not missing here. A rank holding no table has nothing to judge.
-    """
-    ordered = sorted(saved)
-    dropped: list[str] = []
-    for param, held in state.items():
-        prefix = f"fused.state.{param}."
-        kept = {prefix + str(name) for name in held} if isinstance(held, dict) else set()
-        i = bisect.bisect_left(ordered, prefix)
-        while i < len(ordered) and ordered[i].startswith(prefix):
-            if ordered[i] not in kept:
-                dropped.append(ordered[i])
-            i += 1
-    return dropped

@@ -582,6 +582,7 @@ class ETTStrategy(ParallelStrategy):
         fused = self.fused_optimizer_instance
         if fused is not None and ckpt.DENSE_KEY in checkpoint:  # a weights-only save carries no optimizer state
             tensors["fused"] = fused.state_dict()
+            checkpoint[ckpt.FUSED_NAME_KEY] = self.fused_optimizer
         if self._groups is not None:
             tensors = spread_over_replicas(tensors, self._groups)  # each rank writes 1/N of the tables
         return tensors
@@ -600,16 +601,33 @@ class ETTStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         fused = self.fused_optimizer_instance
         with record_phase(Phase.CHECKPOINT_LOAD):
-            if fused is not None and (dropped := ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)):
-                kinds = ", ".join(sorted({key.rsplit(".", 1)[-1] for key in dropped}))  # e.g. momentum1
-                rank_zero_warn(
-                    f"ETTStrategy: the checkpoint {str(checkpoint['ett_checkpoint_dir'])!r} holds embedding optimizer "
-                    f"state that fused_optimizer={self.fused_optimizer!r} does not use, so it is not restored: "
-                    f"{kinds}. It was saved with another fused optimizer; to continue that "
-                    "one, resume with the ETTStrategy(fused_optimizer=...) it was saved with.")
+            if fused is not None and self._fused_state_carries_over(checkpoint):
+                ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)
             names = self._parameter_names()
             for optimizer, saved in zip(self.optimizers, checkpoint.get(ckpt.DENSE_KEY, [])):
                 ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
+
+    def _fused_state_carries_over(self, checkpoint: dict[str, Any]) -> bool:
+        """Whether to load the checkpoint's fused optimizer state: yes under the optimizer it was saved with.
+
+        Another one's state means something else (Adam's first moment would load as AdaGrad's sum, same shape),
+        so a change is refused, except to ``sgd``, which keeps no state: its warning names what is left behind.
+        A checkpoint that names no optimizer (saved before this record) is loaded; a mismatch there fails
+        on the state's keys or shapes (:func:`ckpt.load_fused`).
+        """
+        saved = checkpoint.get(ckpt.FUSED_NAME_KEY)
+        if saved is None or saved == self.fused_optimizer:
+            return True
+        where = str(checkpoint["ett_checkpoint_dir"])
+        if self.fused_optimizer != "sgd":
+            raise ConfigurationError(
+                f"ETTStrategy(fused_optimizer={self.fused_optimizer!r}): the checkpoint {where!r} was saved with "
+                f"fused_optimizer={saved!r}, whose embedding optimizer state does not carry over to another optimizer. "
+                f"Resume with ETTStrategy(fused_optimizer={saved!r}), or with 'sgd' (which keeps no state) to leave "
+                "that state behind.")
+        rank_zero_warn(f"ETTStrategy(fused_optimizer='sgd'): the checkpoint {where!r} was saved with "
+                       f"fused_optimizer={saved!r}; its embedding optimizer state is left behind (SGD keeps none).")
+        return False
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
