@@ -300,22 +300,25 @@ class AsyncCheckpoint(Checkpoint):
         quietly; an owner that is gone, with a warning (:mod:`lightning_ett.durable.ownership`).
         """
         refusal: str | None = None
-        failure: OSError | None = None
+        failure: Exception | None = None
         if trainer.is_global_zero and self._owner is None:
-            job = resolve_job_context(export=False)
-            owner = OwnerLock(self.dirpath, CHECKPOINT_OWNER_FILE, job.job_id, job.attempt,
-                              what=f"AsyncCheckpoint(dirpath={str(self.dirpath)!r})",
-                              fix="Stop that job first, or give this one a dirpath of its own (to start from the other's "
-                              "weights, pass one of its checkpoints as fit(ckpt_path=...)).",
-                              earlier_attempts_are_stopped=True, on_takeover=self._warn_takeover)
-            try:
+            try:  # whatever fails here fails on rank 0 alone: every rank must learn it (else they wait below)
+                job = resolve_job_context(export=False)
+                owner = OwnerLock(self.dirpath, CHECKPOINT_OWNER_FILE, job.job_id, job.attempt,
+                                  what=f"AsyncCheckpoint(dirpath={str(self.dirpath)!r})",
+                                  fix="Stop that job first, or give this one a dirpath of its own (to start from the "
+                                  "other's weights, pass one of its checkpoints as fit(ckpt_path=...)).",
+                                  earlier_attempts_are_stopped=True, on_takeover=self._warn_takeover)
                 owner.acquire()
                 self._owner = owner
             except DirectoryInUseError as err:
                 refusal = str(err)
-            except OSError as err:  # raised on rank 0 alone, it would leave the others in the broadcast below
-                failure = OSError(err.errno, f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} "
-                                             f"failed: {explain(err)}")
+            except OSError as err:
+                said = f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} failed: {explain(err)}"
+                failure = OSError(err.errno, said) if err.errno is not None else OSError(said)
+                failure.__cause__ = err
+            except Exception as err:  # noqa: BLE001 - raised on every rank just below
+                failure = err
         self._agree_or_raise(trainer, failure, "could not take its dirpath's lock")
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:
