@@ -82,6 +82,28 @@ def test_the_interval_adapts_when_the_measured_cost_changes():
     assert dear.interval_steps == pytest.approx(2 * cheap.interval_steps, abs=1)
 
 
+def test_a_fits_first_save_sets_the_cost_only_until_a_typical_save_is_measured():
+    t = CadenceTracker(max_interval_s=1e9)
+    for _ in range(10):
+        t.observe_step(compute_s=0.1, wall_s=0.1, writing=False)
+    t.observe_save(blocked_s=11.0, write_s=12.0, typical=False)  # the job's first save: allocates the buffers
+    assert t.save_cost_s == pytest.approx(11.0)  # all there is to go on
+    t.observe_save(blocked_s=0.8, write_s=1.0)
+    assert t.save_cost_s == pytest.approx(0.8)  # not the mean of 11 and 0.8: the allocation is not a save's cost
+    t.observe_save(blocked_s=1.2, write_s=1.0)
+    restarted = CadenceTracker(max_interval_s=1e9)
+    restarted.load_state_dict(t.state_dict())
+    restarted.observe_save(blocked_s=9.0, write_s=10.0, typical=False)  # the restarted fit's first save
+    assert restarted.save_cost_s == pytest.approx(1.0)  # the restored costs stand (median of 0.8 and 1.2)
+    fresh = CadenceTracker(max_interval_s=1e9)
+    fresh.load_state_dict(CadenceTracker(max_interval_s=1e9).state_dict())
+    fresh.observe_save(blocked_s=9.0, write_s=10.0, typical=False)
+    restored = CadenceTracker(max_interval_s=1e9)
+    restored.load_state_dict(fresh.state_dict())  # saved while only the first save was known: still provisional
+    restored.observe_save(blocked_s=2.0, write_s=1.0)
+    assert restored.save_cost_s == pytest.approx(2.0)
+
+
 def test_the_true_cost_adds_the_slowdown_of_the_steps_that_ran_during_the_write():
     t = CadenceTracker(max_interval_s=1e9)
     for _ in range(20):

@@ -662,7 +662,8 @@ class AsyncCheckpoint(Checkpoint):
         else:
             self._say_if_never_a_delta(trainer)
         metrics["checkpoint/incremental"] = float(result.incremental)
-        cost = self.cadence.observe_save(result.boundary_s, result.seconds)  # settle's wait is in a timed step already
+        # (settle's wait is in a timed step already; a fit's first save allocates the buffers: once a fit, not a save)
+        cost = self.cadence.observe_save(result.boundary_s, result.seconds, typical=result.step != self._first_step)
         metrics["checkpoint/save_cost_s"] = cost
         if self.incremental and self.full_every_n_saves is None and result.step != self._final_step:
             # (the last save of a fit has no steps after it to slow down: its cost would read as blocked time alone)

@@ -105,6 +105,7 @@ class CadenceTracker:
         self._quiet_compute: deque[float] = deque(maxlen=_STEP_WINDOW)  # steps with no write in flight
         self._costs: deque[float] = deque(maxlen=_COST_WINDOW)
         self._writes: deque[float] = deque(maxlen=_COST_WINDOW)
+        self._provisional = False  # the cost window holds a fit's first save alone (see observe_save)
         self._excess = 0.0  # slowdown accumulated by the steps of the write in flight
         self._carved = 0.0  # how much of it observe_step has reported already
 
@@ -132,11 +133,24 @@ class CadenceTracker:
         self._excess = 0.0
         self._carved = 0.0
 
-    def observe_save(self, blocked_s: float, write_s: float) -> float:
-        """A save became durable; returns its true cost (blocked + slowdown) and keeps it."""
+    def observe_save(self, blocked_s: float, write_s: float, typical: bool = True) -> float:
+        """A save became durable; returns its true cost (blocked + slowdown) and keeps it.
+
+        ``typical=False``: a fit's first save, which also allocates the staging buffers (8-14 s where later saves
+        cost 1-3 s on ``incremental_auto.py``'s job). That is paid once per fit whatever the interval, so it is no
+        part of Young/Daly's per-save ``C``: it is kept only while nothing else is known (a job's first save), and
+        the first typical save replaces it. After a restart the restored costs stand.
+        """
         cost = max(blocked_s, 0.0) + max(self._excess, 0.0)
         self._excess = self._carved = 0.0
-        self._costs.append(cost)
+        if typical:
+            if self._provisional:
+                self._costs.clear()
+            self._costs.append(cost)
+            self._provisional = False
+        elif not self._costs:
+            self._costs.append(cost)
+            self._provisional = True
         self._writes.append(max(write_s, 0.0))
         return cost
 
@@ -145,6 +159,7 @@ class CadenceTracker:
         if save_cost_s is not None:
             self._costs.clear()
             self._costs.append(save_cost_s)
+            self._provisional = False
         if step_s is not None:
             self._wall.clear()
             self._wall.append(step_s)
@@ -189,7 +204,8 @@ class CadenceTracker:
 
     # ------------------------------------------------------------------ state (survives restarts)
     def state_dict(self) -> dict[str, Any]:
-        return {"costs": list(self._costs), "writes": list(self._writes), "wall": list(self._wall)}
+        return {"costs": list(self._costs), "writes": list(self._writes), "wall": list(self._wall),
+                "provisional": self._provisional}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for window in (self._costs, self._writes, self._wall):
@@ -197,3 +213,4 @@ class CadenceTracker:
         self._costs.extend(float(c) for c in state.get("costs", []))
         self._writes.extend(float(w) for w in state.get("writes", []))
         self._wall.extend(float(w) for w in state.get("wall", []))
+        self._provisional = bool(state.get("provisional", False))
