@@ -180,9 +180,12 @@ def test_a_failure_to_take_the_directory_lock_stops_every_ddp_rank(tmp_path):
     proc = run_script(JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--devices", "2",
                       "--max-steps", "4", "--every", "2", timeout=240)
     assert proc.returncode != 0
-    assert "[rank0]: IsADirectoryError: [Errno 21] AsyncCheckpoint: taking the lock of dirpath=" in proc.stderr, \
+    lock = tmp_path / "ckpt" / ".ett-owner"
+    assert (f"[rank0]: IsADirectoryError: [Errno 21] AsyncCheckpoint: taking the lock of dirpath="
+            f"{str(tmp_path / 'ckpt')!r} failed: Is a directory (EISDIR) at {str(lock)!r}") in proc.stderr, \
         proc.stderr[-3000:]
-    assert "[rank1]: RuntimeError: AsyncCheckpoint: another rank could not take its dirpath's lock" in proc.stderr
+    assert "[rank1]: RuntimeError: AsyncCheckpoint: taking its dirpath's lock failed on another rank; see its error" \
+        in proc.stderr
     assert steps_on_disk(tmp_path / "ckpt") == []
 
 

@@ -175,6 +175,25 @@ def test_the_root_cause_is_the_rank_that_died_first_not_the_peers_it_took_down(t
     assert recorder.last_failure == "rank 1 exit code 1: RuntimeError: bad batch"
 
 
+def test_a_rank_that_raised_only_because_another_failed_is_not_the_root_cause(tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    from lightning_ett.durable.errors import ANOTHER_RANKS_ERROR
+    from lightning_ett.launch.launcher import LaunchOptions, LaunchRecorder
+
+    logs = {}
+    for local_rank, (text, age) in enumerate([("IsADirectoryError: [Errno 21] taking the lock failed\n", 1),
+                                               (f"RuntimeError: taking the lock failed {ANOTHER_RANKS_ERROR}.\n", 2)]):
+        logs[local_rank] = str(tmp_path / f"stderr{local_rank}.log")
+        (tmp_path / f"stderr{local_rank}.log").write_text(text)
+        os.utime(logs[local_rank], (1e9 - age, 1e9 - age))  # rank 1's echo was written first
+    recorder = LaunchRecorder(LaunchOptions(script="x.py", script_args=(), devices=2, run_dir=tmp_path / "run"), 0.0)
+    recorder.starting_workers()
+    recorder.workers_failed({r: SimpleNamespace(local_rank=r, exitcode=1) for r in (0, 1)}, logs, suspects={0, 1})
+    assert recorder.last_failure == "rank 0 exit code 1: IsADirectoryError: [Errno 21] taking the lock failed"
+
+
 def test_the_failure_rate_switch_really_kills_a_rank(tmp_path):
     # One rank, MTBF 0.3 s: killed by SIGKILL after a draw of training time (seed 1), long before step 2000.
     proc = run_script(str(SCRIPTS / "boring_job.py"), "--run-dir", str(tmp_path / "run"), "--max-steps", "2000",

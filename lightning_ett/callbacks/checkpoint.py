@@ -27,7 +27,13 @@ from lightning_ett.checkpoint.save_kind import SaveKindChooser
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
 from lightning_ett.durable.commit import remove_stale
-from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, check_full_every, explain
+from lightning_ett.durable.errors import (
+    ANOTHER_RANKS_ERROR,
+    ConfigurationError,
+    ConfigurationTypeError,
+    check_full_every,
+    explain,
+)
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUseError, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
@@ -266,10 +272,10 @@ class AsyncCheckpoint(Checkpoint):
             return
         self.dirpath = self.dirpath.absolute()
         self._agree_or_raise(trainer, writable_dir_error(self.dirpath, "AsyncCheckpoint(dirpath", trainer.global_rank),
-                             "could not write to its dirpath")
+                             "writing to its dirpath failed")
         self._own_directory(trainer)  # before anything in it is cleaned up or resumed from
         cleanup_error = self._clean_up_after_a_crash() if trainer.is_global_zero else None
-        self._agree_or_raise(trainer, cleanup_error, "could not clean up its dirpath")
+        self._agree_or_raise(trainer, cleanup_error, "cleaning up its dirpath failed")
         group = None
         if collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             group = dist.new_group(backend="gloo")  # the writer's collectives never meet training's
@@ -314,12 +320,14 @@ class AsyncCheckpoint(Checkpoint):
             except DirectoryInUseError as err:
                 refusal = str(err)
             except OSError as err:
-                said = f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} failed: {explain(err)}"
+                at_lock = OSError(err.errno, err.strerror, str(self.dirpath / CHECKPOINT_OWNER_FILE))  # (the error
+                # may name the temporary file renamed onto the lock, gone by the time anyone looks)
+                said = f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} failed: {explain(at_lock)}"
                 failure = OSError(err.errno, said) if err.errno is not None else OSError(said)
                 failure.__cause__ = err
             except Exception as err:  # noqa: BLE001 - raised on every rank just below
                 failure = err
-        self._agree_or_raise(trainer, failure, "could not take its dirpath's lock")
+        self._agree_or_raise(trainer, failure, "taking its dirpath's lock failed")
         refusal = trainer.strategy.broadcast(refusal, src=0)
         if refusal:
             raise DirectoryInUseError(refusal)
@@ -506,7 +514,7 @@ class AsyncCheckpoint(Checkpoint):
             busy, failed, interval = self._agree(trainer, busy, error is not None, interval)  # rank 0's interval
             if failed:
                 self._writer.wait()  # raises this rank's error, if it has one
-                raise CheckpointWriteError("The background checkpoint write failed on another rank; see its error.")
+                raise CheckpointWriteError(f"The background checkpoint write failed {ANOTHER_RANKS_ERROR}.")
             if self.auto:
                 postpone = busy and not final  # an interval shorter than a write: only before the first was measured
                 self._next_save_step = step + (1 if postpone else max(int(interval), 1))
@@ -633,7 +641,7 @@ class AsyncCheckpoint(Checkpoint):
         if error is not None:
             raise error
         if failed:
-            raise RuntimeError(f"AsyncCheckpoint: another rank {what}; see its error.")
+            raise RuntimeError(f"AsyncCheckpoint: {what} {ANOTHER_RANKS_ERROR}.")
 
     def _wait_agreed(self, trainer: pl.Trainer) -> None:
         """Wait for the save in flight; if it failed on any rank, raise on every rank."""
@@ -644,7 +652,7 @@ class AsyncCheckpoint(Checkpoint):
             self._report(trainer, self._writer.wait())
         except CheckpointWriteError as e:
             error = e
-        self._agree_or_raise(trainer, error, "failed to write its part of the checkpoint")
+        self._agree_or_raise(trainer, error, "writing its part of the checkpoint failed")
 
     def _report(self, trainer: pl.Trainer, result: WriteResult | None) -> None:
         if result is None:

@@ -22,6 +22,15 @@ class ExplainedError(RuntimeError):
     """An error whose message already says what went wrong in the user's terms: :func:`explain` keeps it."""
 
 
+#: Ends every error a rank raises only because another rank failed: the launcher names that other rank's error.
+ANOTHER_RANKS_ERROR = "on another rank; see its error"
+
+
+def follows_another_rank(reason: str) -> bool:
+    """Is this failure only the echo of another rank's (an agreement raised on every rank)?"""
+    return ANOTHER_RANKS_ERROR in reason
+
+
 def root_cause(error: BaseException) -> BaseException:
     """The innermost error: through DCP's ``CheckpointException`` and ``raise ... from`` chains."""
     seen: set[int] = set()

@@ -50,6 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from lightning_ett.durable.errors import follows_another_rank
 from lightning_ett.durable.ownership import (
     DirectoryInUseError,
     OwnerLock,
@@ -307,6 +308,9 @@ class LaunchRecorder:
         pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
         candidates = [rank for rank in pool if exitcodes[rank] != -signal.SIGTERM] or pool
         candidates = [rank for rank in candidates if exitcodes[rank] == EXIT_NOT_RETRYABLE] or candidates
+        # A rank that raised only because another rank failed (an agreement) may write its last line first.
+        candidates = [rank for rank in candidates
+                      if not follows_another_rank(failure_reason(exitcodes[rank], logs[rank]))] or candidates
         root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
         for rank in sorted(failures, key=lambda r: (r != root, r)):
             if rank == root:

@@ -611,22 +611,28 @@ class ETTStrategy(ParallelStrategy):
         """Whether to load the checkpoint's fused optimizer state: yes under the optimizer it was saved with.
 
         Another one's state means something else (Adam's first moment would load as AdaGrad's sum, same shape),
-        so a change is refused, except to ``sgd``, which keeps no state: its warning names what is left behind.
-        A checkpoint that names no optimizer (saved before this record) is loaded; a mismatch there fails
-        on the state's keys or shapes (:func:`ckpt.load_fused`).
+        so a switch between two optimizers that keep state is refused. A switch from or to ``sgd``, which keeps
+        none, loses nothing or leaves the old state behind: it goes on, warned. A checkpoint that names no
+        optimizer (saved before this record) is loaded; a mismatch there fails on the state's keys or shapes
+        (:func:`ckpt.load_fused`).
         """
         saved = checkpoint.get(ckpt.FUSED_NAME_KEY)
         if saved is None or saved == self.fused_optimizer:
             return True
-        where = str(checkpoint["ett_checkpoint_dir"])
-        if self.fused_optimizer != "sgd":
+        where, now = str(checkpoint["ett_checkpoint_dir"]), self.fused_optimizer
+        if saved == "sgd":
+            rank_zero_warn(f"ETTStrategy(fused_optimizer={now!r}): the checkpoint {where!r} was saved with "
+                           f"fused_optimizer='sgd', which keeps no state: {now}'s embedding optimizer state starts fresh.")
+        elif now == "sgd":
+            rank_zero_warn(f"ETTStrategy(fused_optimizer='sgd'): the checkpoint {where!r} was saved with "
+                           f"fused_optimizer={saved!r}; its embedding optimizer state is left behind (SGD keeps none).")
+        else:
             raise ConfigurationError(
-                f"ETTStrategy(fused_optimizer={self.fused_optimizer!r}): the checkpoint {where!r} was saved with "
-                f"fused_optimizer={saved!r}, whose embedding optimizer state does not carry over to another optimizer. "
-                f"Resume with ETTStrategy(fused_optimizer={saved!r}), or with 'sgd' (which keeps no state) to leave "
-                "that state behind.")
-        rank_zero_warn(f"ETTStrategy(fused_optimizer='sgd'): the checkpoint {where!r} was saved with "
-                       f"fused_optimizer={saved!r}; its embedding optimizer state is left behind (SGD keeps none).")
+                f"ETTStrategy(fused_optimizer={now!r}): the checkpoint {where!r} was saved with "
+                f"fused_optimizer={saved!r}, whose embedding optimizer state does not carry over to {now!r} (each keeps "
+                f"state of its own meaning). Resume with ETTStrategy(fused_optimizer={saved!r}); or, to leave "
+                "that state behind, resume with 'sgd', or start afresh (AsyncCheckpoint(resume=False) or another "
+                "dirpath).")
         return False
 
     @override

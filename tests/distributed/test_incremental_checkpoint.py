@@ -264,7 +264,14 @@ def test_a_chain_saved_under_row_wise_adagrad_resumes_under_sgd_naming_the_state
                      run_dir=tmp_path / "adagrad" / "ett")
     assert adagrad.returncode != 0
     refused = ("ETTStrategy(fused_optimizer='adagrad'): the checkpoint {!r} was saved with "
-               "fused_optimizer='row_wise_adagrad', whose embedding optimizer state does not carry over")
+               "fused_optimizer='row_wise_adagrad', whose embedding optimizer state does not carry over to 'adagrad'")
     ckpt7 = str(step_dir(tmp_path / "c" / "ckpt", 7))
     assert refused.format(ckpt7) in adagrad.stderr, adagrad.stderr[-3000:]
-    assert "Resume with ETTStrategy(fused_optimizer='row_wise_adagrad'), or with 'sgd'" in adagrad.stderr
+    assert "Resume with ETTStrategy(fused_optimizer='row_wise_adagrad'); or, to leave that state behind" in adagrad.stderr
+    # Back from SGD's checkpoint (step 8, saved under sgd) to row-wise AdaGrad: nothing to lose, its sums start at zero.
+    back = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path / "back"), "--max-steps", "10", *CHAIN,
+                  "--ckpt-dir", str(tmp_path / "b" / "ckpt"), run_dir=tmp_path / "back" / "ett")
+    assert back.returncode == 0, back.stderr[-4000:]
+    fresh = "was saved with fused_optimizer='sgd', which keeps no state: row_wise_adagrad's embedding optimizer state starts"
+    assert (back.stdout + back.stderr).count(fresh) == 1, back.stderr[-3000:]
+    assert all(facts["global_step"] == 10 and len(facts["losses"]) == 2 for facts in rank_facts(tmp_path / "back"))
