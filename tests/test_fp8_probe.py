@@ -109,11 +109,12 @@ def test_the_results_go_to_the_run_dir_the_report_and_wandb(probed):
     assert summary["fp8/turned_unsafe_layers"] == sum(r["turned_unsafe"] for r in result["results"].values())
 
 
+@pytest.mark.timeout(900)  # the probed fixture (~100 s) and three 600-step trainings (~200 s) count: 300 s was the edge
 def test_torchao_fp8_training_on_the_safe_layers_keeps_the_bf16_loss_and_on_all_layers_it_does_not(probed, tmp_path):
     """torchao's own Float8Linear (convert_to_float8_training runs on this CPU: torch 2.13 has _scaled_mm here)."""
     _, out = probed
     trained = job("train", "--results", str(out / "result.json"), "--steps", "600", "--out", str(tmp_path),
-                  "--precision", "bf16-mixed")
+                  "--precision", "bf16-mixed", timeout=600)
     safe = [f for f, r in json.loads((out / "result.json").read_text())["results"].items() if r["verdict"] == "safe"]
     assert trained["none"]["swapped"] == [] and trained["safe"]["swapped"] == safe and trained["safe"]["fp8"] == "torchao"
     assert trained["all"]["swapped"] == ["planted", *ORDINARY]

@@ -109,6 +109,9 @@ class Zygote:
                 except TimeoutError:
                     os.kill(pid, signal.SIGKILL)  # what subprocess.run does on a timeout (the server reaps it)
                     raise subprocess.TimeoutExpired(command, timeout, output=_read(out), stderr=_read(err)) from None
+                except BaseException:  # pytest-timeout's failure, Ctrl-C: the job must not train on, slowing later tests
+                    os.kill(pid, signal.SIGKILL)
+                    raise
             return subprocess.CompletedProcess(command, code, _read(out), _read(err))
 
     def close(self) -> None:
