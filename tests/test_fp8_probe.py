@@ -112,6 +112,10 @@ def test_the_results_go_to_the_run_dir_the_report_and_wandb(probed):
 @pytest.mark.timeout(900)  # the probed fixture (~100 s) and three 600-step trainings (~200 s) count: 300 s was the edge
 def test_torchao_fp8_training_on_the_safe_layers_keeps_the_bf16_loss_and_on_all_layers_it_does_not(probed, tmp_path):
     """torchao's own Float8Linear (convert_to_float8_training runs on this CPU: torch 2.13 has _scaled_mm here)."""
+    gemm_s = _scaled_mm_seconds()
+    if gemm_s > 0.005:  # ~0.1 ms where this test was written; 37 ms on a VM of 2026-12-05 (its 3 trainings: > 600 s)
+        pytest.skip(f"this CPU's torch._scaled_mm takes {1000 * gemm_s:.1f} ms for a 256x64x128 GEMM: the three "
+                    "600-step FP8 trainings would not fit the suite's time")
     _, out = probed
     trained = job("train", "--results", str(out / "result.json"), "--steps", "600", "--out", str(tmp_path),
                   "--precision", "bf16-mixed", timeout=600)
@@ -121,6 +125,20 @@ def test_torchao_fp8_training_on_the_safe_layers_keeps_the_bf16_loss_and_on_all_
     full, safe_loss, every = (trained[k]["held_out_loss"] for k in ("none", "safe", "all"))
     assert abs(safe_loss - full) <= 0.02 * full, (full, safe_loss)  # the stated tolerance: 2 % of the bf16 loss
     assert every >= 1.10 * full, (full, every)  # the planted layer's crushed features cost accuracy
+
+
+def _scaled_mm_seconds() -> float:
+    """One warm FP8 GEMM of a size the trainings run, on this CPU."""
+    import time
+
+    a = torch.randn(256, 64).to(torch.float8_e4m3fn)
+    b = torch.randn(128, 64).to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0)
+    torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    start = time.perf_counter()
+    for _ in range(5):
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return (time.perf_counter() - start) / 5
 
 
 def test_bad_arguments_are_refused_naming_them():
