@@ -304,24 +304,24 @@ class LaunchRecorder:
             return
         exitcodes = {rank: int(getattr(f, "exitcode", 1)) for rank, f in failures.items()}
         logs = {rank: stderr_files.get(getattr(f, "local_rank", -1)) for rank, f in failures.items()}
+        said = {rank: failure_reason(exitcodes[rank], logs[rank]) for rank in failures}  # each log's tail read once
         self.not_retryable = any(code == EXIT_NOT_RETRYABLE for code in exitcodes.values())
         pool = [rank for rank in exitcodes if suspects is None or rank in suspects] or list(exitcodes)
         candidates = [rank for rank in pool if exitcodes[rank] != -signal.SIGTERM] or pool
         candidates = [rank for rank in candidates if exitcodes[rank] == EXIT_NOT_RETRYABLE] or candidates
         # A rank that raised only because another rank failed (an agreement) may write its last line first.
-        candidates = [rank for rank in candidates
-                      if not follows_another_rank(failure_reason(exitcodes[rank], logs[rank]))] or candidates
+        candidates = [rank for rank in candidates if not follows_another_rank(said[rank])] or candidates
         root = min(candidates, key=lambda rank: (_mtime(logs[rank]), rank))
         for rank in sorted(failures, key=lambda r: (r != root, r)):
             if rank == root:
-                reason = failure_reason(exitcodes[rank], logs[rank])
+                reason = said[rank]
                 if self.not_retryable:
                     reason += " (not retried: it fails the same way on every attempt)"
                 self.last_failure = f"rank {rank} {reason}"
             elif exitcodes[rank] == -signal.SIGTERM or (suspects is not None and rank not in suspects):
                 reason = "stopped by the launcher after another rank failed"
             else:
-                reason = f"failed after rank {root}: {failure_reason(exitcodes[rank], logs[rank])}"
+                reason = f"failed after rank {root}: {said[rank]}"
             self._append({"kind": "failure", "attempt": self.attempt, "time": now, "rank": rank,
                                 "exitcode": exitcodes[rank], "reason": reason, "root_cause": rank == root})
 
