@@ -320,10 +320,13 @@ class AsyncCheckpoint(Checkpoint):
             except DirectoryInUseError as err:
                 refusal = str(err)
             except OSError as err:
-                at_lock = OSError(err.errno, err.strerror, str(self.dirpath / CHECKPOINT_OWNER_FILE))  # (the error
-                # may name the temporary file renamed onto the lock, gone by the time anyone looks)
-                said = f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} failed: {explain(at_lock)}"
-                failure = OSError(err.errno, said) if err.errno is not None else OSError(said)
+                if err.errno is None:  # (a message alone: nothing to name)
+                    failure = OSError(f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} failed: "
+                                      f"{explain(err)}")
+                else:  # named at the lock: the error may name the temporary file renamed onto it, gone by now
+                    at_lock = OSError(err.errno, err.strerror, str(self.dirpath / CHECKPOINT_OWNER_FILE))
+                    failure = OSError(err.errno, f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} "
+                                                 f"failed: {explain(at_lock)}")
                 failure.__cause__ = err
             except Exception as err:  # noqa: BLE001 - raised on every rank just below
                 failure = err
