@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -246,22 +247,22 @@ def test_a_job_killed_mid_run_resumes_from_full_plus_deltas_and_ends_as_an_unint
 
 
 def test_a_chain_saved_under_row_wise_adagrad_resumes_under_sgd_naming_the_state_it_drops(chain_run, tmp_path):
+    def resume(name: str, ckpt: Path, steps: int, *args: str) -> subprocess.CompletedProcess[str]:
+        return launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path / name), "--max-steps", str(steps), *CHAIN,
+                      "--ckpt-dir", str(ckpt), *args, run_dir=tmp_path / name / "ett")
+
     # Resumed with the optimizer it was saved with: nothing is left behind, nothing is said.
-    same = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path / "same"), "--max-steps", "8", *CHAIN,
-                  "--ckpt-dir", str(copied_chain(chain_run, tmp_path / "a")), run_dir=tmp_path / "same" / "ett")
+    same = resume("same", copied_chain(chain_run, tmp_path / "a"), 8)
     assert same.returncode == 0, same.stderr[-4000:]
     assert "was saved with fused_optimizer" not in same.stdout + same.stderr
     # Under SGD, which keeps no state: row-wise AdaGrad's sums cannot be restored, and the user is told, once.
-    sgd = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path / "sgd"), "--max-steps", "8", *CHAIN, "--ckpt-dir",
-                 str(copied_chain(chain_run, tmp_path / "b")), "--fused-optimizer", "sgd", run_dir=tmp_path / "sgd" / "ett")
+    sgd = resume("sgd", copied_chain(chain_run, tmp_path / "b"), 8, "--fused-optimizer", "sgd")
     assert sgd.returncode == 0, sgd.stderr[-4000:]
     said = "was saved with fused_optimizer='row_wise_adagrad'; its embedding optimizer state is left behind (SGD keeps none)"
     assert (sgd.stdout + sgd.stderr).count(said) == 1, sgd.stderr[-3000:]
     assert all(facts["global_step"] == 8 for facts in rank_facts(tmp_path / "sgd"))
     # Under element-wise AdaGrad, whose state means something else: refused on every rank, naming both and the fix.
-    adagrad = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path / "adagrad"), "--max-steps", "8", *CHAIN,
-                     "--ckpt-dir", str(copied_chain(chain_run, tmp_path / "c")), "--fused-optimizer", "adagrad",
-                     run_dir=tmp_path / "adagrad" / "ett")
+    adagrad = resume("adagrad", copied_chain(chain_run, tmp_path / "c"), 8, "--fused-optimizer", "adagrad")
     assert adagrad.returncode != 0
     refused = ("ETTStrategy(fused_optimizer='adagrad'): the checkpoint {!r} was saved with "
                "fused_optimizer='row_wise_adagrad', whose embedding optimizer state does not carry over to 'adagrad'")
@@ -269,8 +270,7 @@ def test_a_chain_saved_under_row_wise_adagrad_resumes_under_sgd_naming_the_state
     assert refused.format(ckpt7) in adagrad.stderr, adagrad.stderr[-3000:]
     assert "Resume with ETTStrategy(fused_optimizer='row_wise_adagrad'); or, to leave that state behind" in adagrad.stderr
     # Back from SGD's checkpoint (step 8, saved under sgd) to row-wise AdaGrad: nothing to lose, its sums start at zero.
-    back = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path / "back"), "--max-steps", "10", *CHAIN,
-                  "--ckpt-dir", str(tmp_path / "b" / "ckpt"), run_dir=tmp_path / "back" / "ett")
+    back = resume("back", tmp_path / "b" / "ckpt", 10)
     assert back.returncode == 0, back.stderr[-4000:]
     fresh = "was saved with fused_optimizer='sgd', which keeps no state: row_wise_adagrad's embedding optimizer state starts"
     assert (back.stdout + back.stderr).count(fresh) == 1, back.stderr[-3000:]
