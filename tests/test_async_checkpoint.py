@@ -176,11 +176,11 @@ def test_a_writer_failure_on_rank_zero_stops_every_ddp_rank(tmp_path):
 def test_a_failure_to_take_the_directory_lock_stops_every_ddp_rank(tmp_path):
     # Rank 0 alone takes dirpath's lock; an OSError there (here: the lock's name is a directory) must stop rank 1
     # too, not leave it waiting in the broadcast of rank 0's verdict.
-    (tmp_path / "ckpt" / ".ett-owner").mkdir(parents=True)
+    lock = tmp_path / "ckpt" / ".ett-owner"
+    lock.mkdir(parents=True)
     proc = run_script(JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--devices", "2",
                       "--max-steps", "4", "--every", "2", timeout=240)
     assert proc.returncode != 0
-    lock = tmp_path / "ckpt" / ".ett-owner"
     assert (f"[rank0]: IsADirectoryError: [Errno 21] AsyncCheckpoint: taking the lock of dirpath="
             f"{str(tmp_path / 'ckpt')!r} failed: Is a directory (EISDIR) at {str(lock)!r}") in proc.stderr, \
         proc.stderr[-3000:]

@@ -96,7 +96,6 @@ def test_a_fits_first_save_sets_the_cost_only_until_a_typical_save_is_measured()
     restarted.observe_save(blocked_s=9.0, write_s=10.0, typical=False)  # the restarted fit's first save
     assert restarted.save_cost_s == pytest.approx(1.0)  # the restored costs stand (median of 0.8 and 1.2)
     fresh = CadenceTracker(max_interval_s=1e9)
-    fresh.load_state_dict(CadenceTracker(max_interval_s=1e9).state_dict())
     fresh.observe_save(blocked_s=9.0, write_s=10.0, typical=False)
     restored = CadenceTracker(max_interval_s=1e9)
     restored.load_state_dict(fresh.state_dict())  # saved while only the first save was known: still provisional
