@@ -62,7 +62,7 @@ def _visible_phases(summary: Summary) -> list[str]:
 
 def render_table(summary: Summary, title: str | None = None) -> Table:
     wall = summary.wall_s or 1.0
-    status = "finished" if summary.completed else "stopped" if _stopped(summary) else "running or failed"
+    status = _status(summary)
     table = Table(
         title=title or f"ETT {summary.ett_percent:.1f}% of {summary.wall_s:.1f}s wall",
         caption=f"{len(summary.attempts)} attempt(s), {status}; effective = train; "
@@ -78,6 +78,17 @@ def render_table(summary: Summary, title: str | None = None) -> Table:
         style = "bold green" if phase == Phase.TRAIN.value else ("red" if phase == LOST else "")
         table.add_row(phase, f"{seconds:.2f}", f"{100 * seconds / wall:.1f}", bar, style=style)
     return table
+
+
+def _status(summary: Summary) -> str:
+    """How the job stands, in the table's caption: the launcher's last word where it left one."""
+    if summary.completed:
+        return "finished"
+    if _stopped(summary):
+        return "stopped"
+    if summary.outcome and summary.outcome.startswith("gave up"):
+        return "gave up"
+    return "running or failed"  # no last word: still running, or a job not started by `lightning run` that failed
 
 
 def _stopped(summary: Summary) -> bool:

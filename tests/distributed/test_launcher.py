@@ -89,6 +89,8 @@ def test_a_script_that_fails_on_every_attempt_stops_after_max_restarts_and_the_l
                          "--out", str(tmp_path / "out"), "--max-steps", "12", "--fail-at", "3", "--ett-from-env")
     assert proc.returncode == 1
     assert "gave up after 2 attempt(s) (--max-restarts 1)" in proc.stdout + proc.stderr
+    printed = " ".join((proc.stdout + proc.stderr).split())
+    assert "2 attempt(s), gave up;" in printed and "running or failed" not in printed  # the report's caption
     s = summarize_run_dir(tmp_path / "run")
     assert [a.attempt for a in s.attempts] == [0, 1] and not any(a.completed for a in s.attempts)
     for attempt in s.attempts:
