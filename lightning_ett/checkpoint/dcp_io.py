@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_ett.durable.manifest import ChecksummingWriter, drop_from_cache
@@ -56,11 +56,17 @@ def write(state: dict[str, Any], directory: Path, group: Any | None = None, coll
     copy-ahead from the device is switched off (it would touch CUDA streams from a writer thread).
     Returns the (size, CRC-32) of the files this rank wrote, summed as they were written (the
     manifest's checksums, without reading the files back).
+
+    An entry every rank holds (the dense model, its buffers, the dense optimizer's state) is written
+    by ``group``'s rank 0, as Lightning checkpoints rank 0's state. DCP's default gives it to the rank
+    with the least to write so far, and buffers the ranks keep apart (BatchNorm's running statistics
+    under DDP) would then come from that rank, and every rank would resume with its copy.
     """
     writer = FileSystemWriter(directory, sync_files=True, **({"per_thread_copy_ahead": 0} if staged else {}))
     writer.fs = filesystem = _ChecksummingFileSystem()
     if collective and _distributed():
-        dcp.save(state, storage_writer=writer, process_group=group)
+        dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                 process_group=group)
     else:
         from torch.distributed.checkpoint.state_dict_saver import _save_state_dict, _stateful_to_state_dict
 

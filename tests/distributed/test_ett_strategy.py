@@ -107,6 +107,34 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path,
         assert fmt.newest_complete(auto) is None
 
 
+def test_a_checkpoint_holds_rank_zeros_copy_of_buffers_the_ranks_keep_apart(tmp_path):
+    # BatchNorm's running statistics: each rank updates them from its own batch (DDP hands out rank 0's at the
+    # next forward), so at a save the ranks' copies differ. Lightning checkpoints rank 0's; DCP's default
+    # de-duplication would write whichever rank had the least to write, and every rank would resume with that.
+    ckpt = tmp_path / "ckpt"
+    ranks = run_job(tmp_path / "run", "--batchnorm", "--max-steps", "6", "--save-every", "6", "--ckpt-dir", str(ckpt))
+    saved = read_whole(ckpt / "step6.ckpt", "model")
+    for key in ("bn.running_mean", "bn.running_var"):
+        assert not torch.equal(ranks[0]["model"][key], ranks[1]["model"][key]), key  # the case: the copies differ
+        assert torch.equal(saved[key], ranks[0]["model"][key]), key
+    _assert_same_state({k: v for k, v in saved.items() if "@" not in k and k in ranks[0]["model"]},
+                       {k: v for k, v in ranks[0]["model"].items() if k in saved})
+
+
+def test_a_checkpoint_of_another_model_is_not_retried_and_says_so(tmp_path, uninterrupted_dlrm):
+    # A table resized, or a layer added, since the checkpoint was saved: every attempt would fail the same way.
+    _, made = uninterrupted_dlrm
+    for case, change in (("resized", ("--rows", "240")), ("layer", ("--batchnorm",))):
+        out = tmp_path / case
+        proc = launch(JOB, "--out", str(out), *change, "--max-steps", "12", "--resume", str(made / "step6.ckpt"),
+                      run_dir=out / "ett", max_restarts=2)
+        said = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode != 0 and "not retried" in said, said[-3000:]
+        assert f"The checkpoint {str(made / 'step6.ckpt')!r} does not fit this model" in said
+        assert ("Size mismatch" if case == "resized" else "Missing key in checkpoint state_dict: model.bn.") in said
+        assert len(summarize_run_dir(out / "ett").attempts) == 1
+
+
 def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_path):
     cache = tmp_path / "plans"
     first = run_job(tmp_path / "a", "--max-steps", "2", "--plan-cache", str(cache))

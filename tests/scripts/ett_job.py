@@ -49,9 +49,11 @@ class Steps(IterableDataset):
 
 
 class ShardedDLRM(LightningModule):
-    def __init__(self, rows: int, batch: int, build_in_setup: bool = False) -> None:
+    def __init__(self, rows: int, batch: int, build_in_setup: bool = False, batchnorm: bool = False) -> None:
         super().__init__()
         self.rows, self.batch = rows, batch
+        # Running statistics each rank updates from its own batch: the ranks' copies differ at a save.
+        self.bn = torch.nn.BatchNorm1d(DENSE) if batchnorm else None
         self.dlrm: DLRM | None = None
         if not build_in_setup:
             self.build()
@@ -108,6 +110,8 @@ class ShardedDLRM(LightningModule):
         if self.fail_at == self.global_step:
             raise RuntimeError(f"planted bug at step {self.global_step}")
         dense, kjt, labels = make_batch(self.global_step, self.global_rank, self.batch, self.rows)
+        if self.bn is not None:
+            dense = self.bn(dense)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(self.dlrm(dense, kjt).squeeze(-1), labels)
         self.losses.append(loss.item())
         if self.log_loss:
@@ -193,6 +197,7 @@ def main() -> None:
     p.add_argument("--publish-dir", default=None, help="ModelPublisher(dirpath=..., submodule='dlrm')")
     p.add_argument("--publish-deltas", action="store_true", help="ModelPublisher(deltas=True, full_every_n_versions=10)")
     p.add_argument("--predict-out", default=None, help="after fit, each rank's predictions on an eval batch go here")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d on the dense features (per-rank buffers)")
     p.add_argument("--block-tmp-of", type=int, default=None, help="rank 0 puts a file where the save of this step writes")
     args = p.parse_args()
 
@@ -229,7 +234,7 @@ def main() -> None:
                       num_sanity_val_steps=0,
                       enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),
                       gradient_clip_val=1.0)
-    model = ShardedDLRM(args.rows, args.batch, build_in_setup=args.build_in_setup)
+    model = ShardedDLRM(args.rows, args.batch, build_in_setup=args.build_in_setup, batchnorm=args.batchnorm)
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer
     model.kill_at = args.kill_at
