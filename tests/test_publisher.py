@@ -17,6 +17,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_ett import AsyncCheckpoint, ModelPublisher, load_published
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.durable.manifest import crc32_of
+from lightning_ett.durable.ownership import PUBLISHER_OWNER_FILE, DirectoryInUseError, OwnerLock
 from lightning_ett.instrument.ledger import read_ledger
 from lightning_ett.instrument.summary import summarize_run_dir
 from lightning_ett.publish import artifact as pub
@@ -138,6 +139,22 @@ def test_an_unknown_metric_name_fails_before_the_first_step_naming_the_known_one
     with pytest.raises(ValueError, match=r"'val_auc' is not a torchmetrics Metric of WithMetric \(it has: train_acc\)"):
         fit(tmp_path, ModelPublisher(tmp_path / "pub", metrics=["loss", "val_auc"]))
     assert no_steps_ran(tmp_path)
+
+
+def test_a_publish_dir_another_live_job_publishes_into_is_refused_and_a_fit_frees_its_own(tmp_path):
+    # Two jobs publishing into one directory would interleave their versions: a server would see steps go back.
+    other = OwnerLock(tmp_path / "pub", PUBLISHER_OWNER_FILE, "another-job", 0)
+    other.acquire()  # a live owner: this process, for another job
+    try:
+        with pytest.raises(DirectoryInUseError, match=r"ModelPublisher\(dirpath=.*pub'\) is in use by job 'another-job'"):
+            fit(tmp_path, ModelPublisher(tmp_path / "pub"))
+        assert no_steps_ran(tmp_path) and not pub.published_versions(tmp_path / "pub")
+    finally:
+        other.release()
+    # Once that job is gone, a job publishes there, and frees the directory when its fit ends; so does a second fit.
+    for _ in range(2):
+        fit(tmp_path, ModelPublisher(tmp_path / "pub"))
+        assert pub.published_versions(tmp_path / "pub") and not (tmp_path / "pub" / PUBLISHER_OWNER_FILE).exists()
 
 
 def test_an_unwritable_publish_dir_fails_before_the_first_step(tmp_path):

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_ett.callbacks.directory_owner import any_rank, own_directory, raise_on_every_rank
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt
@@ -35,9 +36,9 @@ from lightning_ett.durable.errors import (
     explain,
 )
 from lightning_ett.durable.files import writable_dir_error
-from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, DirectoryInUseError, OwnerLock
+from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, resolve_job_context
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -305,35 +306,10 @@ class AsyncCheckpoint(Checkpoint):
         This job's previous attempt (an earlier attempt number of the same job id) is taken over
         quietly; an owner that is gone, with a warning (:mod:`lightning_ett.durable.ownership`).
         """
-        refusal: str | None = None
-        failure: Exception | None = None
-        if trainer.is_global_zero and self._owner is None:
-            try:  # whatever fails here fails on rank 0 alone: every rank must learn it (else they wait below)
-                job = resolve_job_context(export=False)
-                owner = OwnerLock(self.dirpath, CHECKPOINT_OWNER_FILE, job.job_id, job.attempt,
-                                  what=f"AsyncCheckpoint(dirpath={str(self.dirpath)!r})",
-                                  fix="Stop that job first, or give this one a dirpath of its own (to start from the "
-                                  "other's weights, pass one of its checkpoints as fit(ckpt_path=...)).",
-                                  earlier_attempts_are_stopped=True, on_takeover=self._warn_takeover)
-                owner.acquire()
-                self._owner = owner
-            except DirectoryInUseError as err:
-                refusal = str(err)
-            except OSError as err:
-                if err.errno is None:  # (a message alone: nothing to name)
-                    failure = OSError(f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} failed: "
-                                      f"{explain(err)}")
-                else:  # named at the lock: the error may name the temporary file renamed onto it, gone by now
-                    at_lock = OSError(err.errno, err.strerror, str(self.dirpath / CHECKPOINT_OWNER_FILE))
-                    failure = OSError(err.errno, f"AsyncCheckpoint: taking the lock of dirpath={str(self.dirpath)!r} "
-                                                 f"failed: {explain(at_lock)}")
-                failure.__cause__ = err
-            except Exception as err:  # noqa: BLE001 - raised on every rank just below
-                failure = err
-        self._agree_or_raise(trainer, failure, "taking its dirpath's lock failed")
-        refusal = trainer.strategy.broadcast(refusal, src=0)
-        if refusal:
-            raise DirectoryInUseError(refusal)
+        self._owner = own_directory(
+            trainer, self.dirpath, CHECKPOINT_OWNER_FILE, "AsyncCheckpoint",
+            fix="Stop that job first, or give this one a dirpath of its own (to start from the other's weights, pass "
+                "one of its checkpoints as fit(ckpt_path=...)).", on_takeover=self._warn_takeover, held=self._owner)
 
     def _warn_takeover(self, sentence: str) -> None:
         """Another job's stale directory: say also what this job will start from (its checkpoints, by default)."""
@@ -632,19 +608,11 @@ class AsyncCheckpoint(Checkpoint):
 
     def _agree(self, trainer: pl.Trainer, *flags: bool | float) -> list[Any]:
         """Each value max-ed over all ranks (flags: OR-ed): one small all-reduce, only when a save is due."""
-        if trainer.world_size == 1:
-            return list(flags)
-        values = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=trainer.strategy.root_device)
-        reduced = trainer.strategy.reduce(values, reduce_op="max").tolist()
-        return [bool(v) if isinstance(f, bool) else v for f, v in zip(flags, reduced)]
+        return any_rank(trainer, *flags)
 
     def _agree_or_raise(self, trainer: pl.Trainer, error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank has an error (a lone raise would leave the others in a collective)."""
-        (failed,) = self._agree(trainer, error is not None)
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(f"AsyncCheckpoint: {what} {ANOTHER_RANKS_ERROR}.")
+        raise_on_every_rank(trainer, error, "AsyncCheckpoint", what)
 
     def _wait_agreed(self, trainer: pl.Trainer) -> None:
         """Wait for the save in flight; if it failed on any rank, raise on every rank."""

@@ -15,10 +15,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.checkpoint import AsyncCheckpoint
+from lightning_ett.callbacks.directory_owner import own_directory
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.checkpoint.layout import PIN_FILE
 from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError, check_full_every
 from lightning_ett.durable.files import writable_dir_error
+from lightning_ett.durable.ownership import PUBLISHER_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.timeline import PUBLISH_ERROR_FACT, PUBLISH_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.publish.artifact import PublishRequest
@@ -126,6 +128,7 @@ class ModelPublisher(Callback):
         self.errors: list[str] = []
         self._checkpoint: AsyncCheckpoint | None = None
         self._process: PublisherProcess | None = None
+        self._owner: OwnerLock | None = None  # rank 0, during fit: this job owns dirpath
         self._pending: PublishRequest | None = None
         self._metrics_at: dict[int, dict[str, float | None]] = {}
         self._last_loss: tuple[int, torch.Tensor] | None = None
@@ -181,6 +184,11 @@ class ModelPublisher(Callback):
         said = trainer.strategy.broadcast(str(error) if error else None, src=0)
         if said is not None:
             raise PermissionError(said)
+        # Two jobs publishing here would interleave their versions: a server would see steps go back and forth.
+        self._owner = own_directory(
+            trainer, self.dirpath, PUBLISHER_OWNER_FILE, "ModelPublisher",
+            fix="Stop that job first, or give this one a publish dirpath of its own.", on_takeover=rank_zero_warn,
+            held=self._owner)
         if trainer.is_global_zero:
             self._process = PublisherProcess(self.dirpath, self.keep_last_n)
             self._process.start()  # imports torch in the background, ready for the first checkpoint
@@ -332,6 +340,9 @@ class ModelPublisher(Callback):
             if in_flight is not None:
                 self._release(Path(in_flight.source))
             self._process = None
+        if self._owner is not None:  # the process is stopped: nothing more goes into dirpath
+            self._owner.release()
+            self._owner = None
 
     # ------------------------------------------------------------------ metrics
     def _metric_values(self, trainer: pl.Trainer, step: int) -> dict[str, float | None]:

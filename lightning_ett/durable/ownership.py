@@ -63,6 +63,8 @@ from lightning_ett.durable.procfs import process_alive, process_start_ticks
 
 #: Lock file of a checkpoint directory (``AsyncCheckpoint``).
 CHECKPOINT_OWNER_FILE = ".ett-owner"
+#: Lock file of a publish directory (``ModelPublisher``): another name, as one directory may serve as both.
+PUBLISHER_OWNER_FILE = ".ett-publisher-owner"
 #: Seconds between an owner's heartbeats (the lock's mtime).
 HEARTBEAT_S = 10.0
 #: A lock not refreshed for this long belongs to no one (its owner, on another host, is gone).
@@ -309,7 +311,7 @@ class OwnerLock:
             with open(path, "rb") as f:
                 mtime = os.fstat(f.fileno()).st_mtime
                 return f.read(64 * 1024), time.time() - mtime
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (its directory replaced by a file: no lock there either)
             return None
 
     def _judge(self, current: Owner, me: Owner, age_s: float) -> tuple[str | None, bool]:
@@ -528,5 +530,5 @@ def read_owner(path: str | os.PathLike) -> Owner | None:
         return None
 
 
-__all__ = ["CHECKPOINT_OWNER_FILE", "DirectoryInUseError", "Owner", "OwnerLock", "StaleOwnerWarning",
+__all__ = ["CHECKPOINT_OWNER_FILE", "PUBLISHER_OWNER_FILE", "DirectoryInUseError", "Owner", "OwnerLock", "StaleOwnerWarning",
            "declare_gone", "read_owner", "run_dir_owner_file", "withdraw_gone"]
