@@ -125,14 +125,15 @@ def writers_patched(writers: str) -> Iterator[None]:
     patches = Patches()
     if writers != "spread":
         patches.setattr(ett_module, "spread_over_replicas", lambda state, groups: state)
-    if writers == "one group":
+    if writers != "spread":  # (dcp_io asks for the lowest rank, so that rank 0's buffers are saved: set either way)
         original = DefaultSavePlanner.__init__
+        lowest = writers == "one group"
 
-        def lowest_rank_planner(self: DefaultSavePlanner, *a: Any, **kw: Any) -> None:
+        def dedup_planner(self: DefaultSavePlanner, *a: Any, **kw: Any) -> None:
             original(self, *a, **kw)
-            self.dedup_save_to_lowest_rank = True
+            self.dedup_save_to_lowest_rank = lowest
 
-        patches.setattr(DefaultSavePlanner, "__init__", lowest_rank_planner)
+        patches.setattr(DefaultSavePlanner, "__init__", dedup_planner)
     try:
         yield
     finally:

@@ -25,20 +25,22 @@ from lightning_ett.checkpoint import dcp_io, delta
 from lightning_ett.checkpoint.layout import chain_of, tracked_keys
 
 
-def load_into(target: dict[str, Any], path: Path) -> None:
-    """Fill ``target`` (e.g. ``{"model": model.state_dict()}``) from the checkpoint at ``path``, in place."""
+def load_into(target: dict[str, Any], path: Path, partial: bool = False) -> None:
+    """Fill ``target`` (e.g. ``{"model": model.state_dict()}``) from the checkpoint at ``path``, in place.
+
+    ``partial``: an entry the checkpoint lacks keeps its value (:func:`dcp_io.load_into`)."""
     members = chain_of(Path(path))
     if len(members) == 1:
-        dcp_io.load_into(target, members[0])
+        dcp_io.load_into(target, members[0], partial)
         return
     tracked = tracked_keys(members[-1])
     from_full = delta.subset(target, lambda key, _: key in tracked)
     own = delta.subset(target, lambda key, _: key not in tracked)
     if from_full:
-        dcp_io.load_into(from_full, members[0])  # in place: the target's own tensors
+        dcp_io.load_into(from_full, members[0], partial)  # in place: the target's own tensors
         _merge(target, from_full)
     if own:
-        dcp_io.load_into(own, members[-1])
+        dcp_io.load_into(own, members[-1], partial)
         _merge(target, own)  # non-tensor leaves (param groups) come back as new objects
     for member in members[1:]:
         delta.apply(delta.read(member, delta.read_index(member), target), target)

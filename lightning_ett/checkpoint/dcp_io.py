@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_ett.durable.manifest import ChecksummingWriter, drop_from_cache
@@ -57,8 +57,9 @@ def write(state: dict[str, Any], directory: Path, group: Any | None = None, coll
     Returns the (size, CRC-32) of the files this rank wrote, summed as they were written (the
     manifest's checksums, without reading the files back).
 
-    An entry every rank holds (the dense model, its buffers, the dense optimizer's state) is written
-    by ``group``'s rank 0, as Lightning checkpoints rank 0's state. DCP's default gives it to the rank
+    An entry every rank holds (the dense model and its buffers) is written by ``group``'s rank 0, as
+    Lightning checkpoints rank 0's state (so a model without sharded tables is written by rank 0 alone,
+    as under DDP). DCP's default gives it to the rank
     with the least to write so far, and buffers the ranks keep apart (BatchNorm's running statistics
     under DDP) would then come from that rank, and every rank would resume with its copy.
     """
@@ -91,14 +92,19 @@ def read_whole(directory: Path, key: str) -> dict[str, Any]:
     return state[key]
 
 
-def load_into(target: dict[str, Any], directory: Path) -> None:
-    """Fill ``target``'s tensors (sharded ones included, resharded as needed) from the checkpoint."""
+def load_into(target: dict[str, Any], directory: Path, partial: bool = False) -> None:
+    """Fill ``target``'s tensors (sharded ones included, resharded as needed) from the checkpoint.
+
+    ``partial``: a target entry the checkpoint lacks keeps its value (Lightning's ``strict_loading=False``).
+    """
+    planner = DefaultLoadPlanner(allow_partial_load=partial)
     if _distributed():
-        dcp.load(target, checkpoint_id=str(directory))
+        dcp.load(target, checkpoint_id=str(directory), planner=planner)
         return
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    _load_state_dict(state_dict=target, storage_reader=FileSystemReader(directory), no_dist=True)  # in place: plain dicts
+    _load_state_dict(state_dict=target, storage_reader=FileSystemReader(directory), planner=planner,
+                     no_dist=True)  # in place: plain dicts
 
 
 def _distributed() -> bool:

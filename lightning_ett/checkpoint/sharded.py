@@ -114,10 +114,11 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
 def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> None:
     """Load the model's state from the checkpoint at ``path``. A checkpoint of another model (a table resized,
     a layer added) is a :class:`ConfigurationError`: it fails the same way on every attempt, so ``lightning run``
-    does not retry it."""
+    does not retry it. ``strict=False`` (``LightningModule.strict_loading``): what the checkpoint lacks keeps
+    its value, as ``load_state_dict(strict=False)`` would; a tensor of another shape is still refused."""
     target = {"model": model.state_dict()}
     try:
-        chain.load_into(target, Path(path))
+        chain.load_into(target, Path(path), partial=not strict)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         cause = root_cause(e)
         if not any(said in str(cause) for said in ("Size mismatch", "Missing key in checkpoint state_dict")):
@@ -125,7 +126,8 @@ def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -
         raise ConfigurationError(
             f"The checkpoint {str(path)!r} does not fit this model ({type(cause).__name__}: {cause}): it was saved "
             "from a model with other tables or parameters. Resume with the model it was saved from, or start afresh "
-            "(no ckpt_path, AsyncCheckpoint(resume=False) or another dirpath).") from e
+            "(no ckpt_path, AsyncCheckpoint(resume=False) or another dirpath); for layers added since, "
+            "LightningModule.strict_loading = False keeps their new values.") from e
     model.load_state_dict(target["model"], strict=strict)
 
 

@@ -86,8 +86,9 @@ def _status(summary: Summary) -> str:
         return "finished"
     if _stopped(summary):
         return "stopped"
-    if summary.outcome and summary.outcome.startswith("gave up"):
-        return "gave up"
+    for ended in ("gave up", "launcher error"):  # the launcher's last words (lightning_ett/launch/launcher.py)
+        if summary.outcome and summary.outcome.startswith(ended):
+            return ended
     return "running or failed"  # no last word: still running, or a job not started by `lightning run` that failed
 
 

@@ -108,8 +108,8 @@ def test_resume_from_a_sharded_checkpoint_matches_an_uninterrupted_run(tmp_path,
 
 
 def test_a_checkpoint_holds_rank_zeros_copy_of_buffers_the_ranks_keep_apart(tmp_path):
-    # BatchNorm's running statistics: each rank updates them from its own batch (DDP hands out rank 0's at the
-    # next forward), so at a save the ranks' copies differ. Lightning checkpoints rank 0's; DCP's default
+    # BatchNorm's running statistics: each rank updates them from its own batch (DMP's DDP does not broadcast
+    # buffers), so at a save the ranks' copies differ. Lightning checkpoints rank 0's; DCP's default
     # de-duplication would write whichever rank had the least to write, and every rank would resume with that.
     ckpt = tmp_path / "ckpt"
     ranks = run_job(tmp_path / "run", "--batchnorm", "--max-steps", "6", "--save-every", "6", "--ckpt-dir", str(ckpt))
@@ -133,6 +133,10 @@ def test_a_checkpoint_of_another_model_is_not_retried_and_says_so(tmp_path, unin
         assert f"The checkpoint {str(made / 'step6.ckpt')!r} does not fit this model" in said
         assert ("Size mismatch" if case == "resized" else "Missing key in checkpoint state_dict: model.bn.") in said
         assert len(summarize_run_dir(out / "ett").attempts) == 1
+    # strict_loading=False: the layer added since keeps its initial values, and the job resumes and trains on.
+    out = tmp_path / "layer-not-strict"
+    ranks = run_job(out, "--batchnorm", "--no-strict-loading", "--max-steps", "12", "--resume", str(made / "step6.ckpt"))
+    assert all(r["global_step"] == 12 and len(r["losses"]) == 6 for r in ranks)
 
 
 def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_path):

@@ -108,3 +108,21 @@ def test_a_ledger_of_nothing_but_invalid_lines_says_how_many_it_skipped(tmp_path
     said = capsys.readouterr()
     assert status != 0 and f"{len(BAD_LINES)} line(s) skipped as invalid" in said.out + said.err, said
     assert "no events yet" not in said.out + said.err
+
+
+def test_the_report_caption_says_how_the_launcher_ended_the_job(tmp_path):
+    import dataclasses
+
+    from rich.console import Console
+
+    from lightning_ett.instrument.report import render_table
+
+    write_run(tmp_path, bad=False)
+    summary = summarize_run_dir(tmp_path)
+    summary = dataclasses.replace(summary, attempts=[dataclasses.replace(a, completed=False) for a in summary.attempts])
+    for outcome, said in (("gave up after 2 attempt(s) (--max-restarts 1); last failure: x", "gave up"),
+                          ("launcher error: OSError: [Errno 28] No space left on device", "launcher error"),
+                          (None, "running or failed")):
+        console = Console(width=200, record=True)
+        console.print(render_table(dataclasses.replace(summary, outcome=outcome)))
+        assert f"attempt(s), {said};" in console.export_text(), outcome

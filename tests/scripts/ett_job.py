@@ -52,8 +52,8 @@ class ShardedDLRM(LightningModule):
     def __init__(self, rows: int, batch: int, build_in_setup: bool = False, batchnorm: bool = False) -> None:
         super().__init__()
         self.rows, self.batch = rows, batch
-        # Running statistics each rank updates from its own batch: the ranks' copies differ at a save.
-        self.bn = torch.nn.BatchNorm1d(DENSE) if batchnorm else None
+        # Running statistics each rank updates from its own batch (TorchRec's DDP does not broadcast buffers).
+        self.bn = torch.nn.BatchNorm1d(DENSE, affine=False) if batchnorm else None  # buffers only: no new parameter
         self.dlrm: DLRM | None = None
         if not build_in_setup:
             self.build()
@@ -198,6 +198,7 @@ def main() -> None:
     p.add_argument("--publish-deltas", action="store_true", help="ModelPublisher(deltas=True, full_every_n_versions=10)")
     p.add_argument("--predict-out", default=None, help="after fit, each rank's predictions on an eval batch go here")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d on the dense features (per-rank buffers)")
+    p.add_argument("--no-strict-loading", action="store_true", help="LightningModule.strict_loading = False")
     p.add_argument("--block-tmp-of", type=int, default=None, help="rank 0 puts a file where the save of this step writes")
     args = p.parse_args()
 
@@ -243,6 +244,7 @@ def main() -> None:
     model.log_loss = args.top_k_dir is not None
     model.fail_at = args.fail_at
     model.step_sleep = args.step_sleep
+    model.strict_loading = not args.no_strict_loading
     resume = args.resume
     if resume == "last" and not (Path(args.ckpt_dir) / "last.ckpt").exists():
         resume = None  # the first attempt: nothing saved yet
