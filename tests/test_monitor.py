@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,20 @@ def test_a_users_own_torch_compile_is_counted_as_compile_not_train(tmp_path):
     first_step = next(e for e in ledger.events if e["phase"] == "train")
     assert compiles and first_step["start"] <= compiles[0]["start"] <= compiles[0]["end"] <= first_step["end"]
     assert summarize_run_dir(tmp_path / "run").phases["compile"] > 0
+
+
+def test_another_jobs_checkpoint_is_called_a_restart_only_when_fit_resumes_from_it(tmp_path):
+    def trainer(run: str) -> Trainer:
+        return Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, limit_val_batches=2, num_sanity_val_steps=0,
+                       callbacks=[ETTMonitor(run_dir=tmp_path / run, report_on_end=False)])
+
+    first = trainer("first")
+    first.fit(BoringModel())
+    first.save_checkpoint(tmp_path / "first.ckpt")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer("second").validate(BoringModel(), ckpt_path=tmp_path / "first.ckpt")  # a validation: no restart
+    assert not [w for w in seen if "was written by ETT job" in str(w.message)]
+    with pytest.warns(UserWarning, match="was written by ETT job .* count the restart as another attempt"):
+        trainer("third").fit(BoringModel(), ckpt_path=tmp_path / "first.ckpt")

@@ -130,6 +130,7 @@ class ETTMonitor(Callback):
         self._step_records = 0  # Timeline.recorded when the current step began
         self._last_step: tuple[float, int] | None = None  # (duration, records at its start): judged at the next start
         self._bound_early = False
+        self._stage: str | None = None  # Lightning's stage of the current run (setup): only "fit" resumes a job
         if os.environ.get(ENV_HANG_WATCH):  # `lightning run` watches this rank's ledger for hangs
             from lightning_ett.watch.stacks import register_dump_signal, stack_dump_path
 
@@ -182,6 +183,7 @@ class ETTMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Ranks that count their own ledger files (no launcher numbered the attempt) could disagree
         # if a rank died before writing one: take rank 0's number (one tiny broadcast, once).
+        self._stage = stage
         attempt = trainer.strategy.broadcast(self.context.attempt, src=0)
         if attempt != self.context.attempt:
             self.context = dataclasses.replace(self.context, attempt=attempt)
@@ -390,7 +392,7 @@ class ETTMonitor(Callback):
             job_start = min(float(state_dict["job_start"]), self.context.job_start)
             self._timeline.amend_header(job_start=job_start)
             self.context = dataclasses.replace(self.context, job_start=job_start)
-        else:
+        elif self._stage in (None, "fit"):  # (validate/test/predict on another job's checkpoint restart nothing)
             rank_zero_warn(
                 f"ETTMonitor: this checkpoint was written by ETT job {state_dict.get('job_id')!r} "
                 f"(run_dir {state_dict.get('run_dir')!r}), not by this job ({self.context.job_id!r}). Its wall time "
