@@ -18,7 +18,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_ett.callbacks.directory_owner import any_rank, own_directory, raise_on_every_rank
+from lightning_ett.callbacks.collectives import any_rank, raise_on_every_rank
+from lightning_ett.callbacks.directory_owner import own_directory
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt

@@ -1,4 +1,4 @@
-"""The one all-gather the callbacks make, without Lightning's deprecated path.
+"""The callbacks' collectives: an all-gather without Lightning's deprecated path, and agreement on flags and errors.
 
 ``Strategy.all_gather`` goes through ``torch.distributed.nn.functional.all_gather`` (autograd
 support the callbacks do not need), which torch deprecates with a FutureWarning at every call
@@ -13,6 +13,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_ett.durable.errors import ANOTHER_RANKS_ERROR
+
 
 def all_gather(trainer: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` of every rank, stacked: ``[world_size, *tensor.shape]`` (``[1, ...]`` in one process).
@@ -26,3 +28,21 @@ def all_gather(trainer: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor)
     return torch.stack(parts)
+
+
+def any_rank(trainer: pl.Trainer, *flags: bool | float) -> list[bool | float]:
+    """Each value max-ed over all ranks (flags: OR-ed): one small all-reduce."""
+    if trainer.world_size == 1:
+        return list(flags)
+    values = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=trainer.strategy.root_device)
+    reduced = trainer.strategy.reduce(values, reduce_op="max").tolist()
+    return [bool(v) if isinstance(f, bool) else v for f, v in zip(flags, reduced)]
+
+
+def raise_on_every_rank(trainer: pl.Trainer, error: BaseException | None, owner: str, what: str) -> None:
+    """Raise ``error`` where it happened and an echo naming it on the other ranks, if any rank has one."""
+    (failed,) = any_rank(trainer, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{owner}: {what} {ANOTHER_RANKS_ERROR}.")

@@ -13,29 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 
-from lightning_ett.durable.errors import ANOTHER_RANKS_ERROR, explain
+from lightning_ett.callbacks.collectives import raise_on_every_rank
+from lightning_ett.durable.errors import explain
 from lightning_ett.durable.ownership import DirectoryInUseError, OwnerLock
 from lightning_ett.instrument.environment import resolve_job_context
-
-
-def any_rank(trainer: pl.Trainer, *flags: bool | float) -> list[bool | float]:
-    """Each value max-ed over all ranks (flags: OR-ed): one small all-reduce."""
-    if trainer.world_size == 1:
-        return list(flags)
-    values = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=trainer.strategy.root_device)
-    reduced = trainer.strategy.reduce(values, reduce_op="max").tolist()
-    return [bool(v) if isinstance(f, bool) else v for f, v in zip(flags, reduced)]
-
-
-def raise_on_every_rank(trainer: pl.Trainer, error: BaseException | None, owner: str, what: str) -> None:
-    """Raise ``error`` where it happened and an echo naming it on the other ranks, if any rank has one."""
-    (failed,) = any_rank(trainer, error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{owner}: {what} {ANOTHER_RANKS_ERROR}.")
 
 
 def own_directory(trainer: pl.Trainer, dirpath: Path, lock_name: str, owner: str, fix: str,

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.checkpoint import AsyncCheckpoint
+from lightning_ett.callbacks.collectives import any_rank
 from lightning_ett.callbacks.directory_owner import own_directory
 from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.checkpoint.layout import PIN_FILE
@@ -349,11 +350,8 @@ class ModelPublisher(Callback):
         values: dict[str, float | None] = {}
         objects = self._metric_objects
         # A Metric nobody has updated yet has no value; the decision to compute must be the same on every rank.
-        counts = torch.tensor([float(getattr(m, "_update_count", 0) == 0) for m in objects.values()] + [0.0],
-                              dtype=torch.float64, device=trainer.strategy.root_device)
-        if trainer.world_size > 1:
-            counts = trainer.strategy.reduce(counts, reduce_op="max")
-        never_updated = [bool(v) for v in counts.tolist()]
+        never_updated = any_rank(trainer, *(getattr(m, "_update_count", 0) == 0 for m in objects.values()),
+                                 False)  # (one element at least: every rank reduces a non-empty tensor)
         for (name, metric), empty in zip(objects.items(), never_updated):
             if not empty:
                 metric.compute()  # over all ranks; remembered by the wrapper

@@ -59,9 +59,9 @@ def write(state: dict[str, Any], directory: Path, group: Any | None = None, coll
 
     An entry every rank holds (the dense model and its buffers) is written by ``group``'s rank 0, as
     Lightning checkpoints rank 0's state (so a model without sharded tables is written by rank 0 alone,
-    as under DDP). DCP's default gives it to the rank
-    with the least to write so far, and buffers the ranks keep apart (BatchNorm's running statistics
-    under DDP) would then come from that rank, and every rank would resume with its copy.
+    as under DDP). DCP's default gives it to the rank with the least to write so far, and buffers the
+    ranks keep apart (BatchNorm's running statistics: TorchRec's DDP does not broadcast buffers) would
+    then come from that rank, and every rank would resume with its copy.
     """
     writer = FileSystemWriter(directory, sync_files=True, **({"per_thread_copy_ahead": 0} if staged else {}))
     writer.fs = filesystem = _ChecksummingFileSystem()
