@@ -107,7 +107,8 @@ def report_restores(runs: list[dict]) -> None:
     per checkpoint the median of its repeats; per chain length, median (min-max) over the jobs. The full saves'
     own repeats are the A/A control: how far one restore of the same files strays from their median."""
     print("\n== restore (2 ranks, slowest rank) against chain length: incremental arm, zipf, every 50, its own chain "
-          "policy, every checkpoint of the window kept; each restored 3x cold (pages dropped) and 3x warm ==")
+          "policy (or --restore-full-every),\n    every checkpoint of the window kept; each restored 3x cold (pages dropped) "
+          "and 3x warm ==")
     for mode in ("cold", "warm"):
         by_length: dict[int, list[float]] = {}
         ratios: dict[int, list[float]] = {}
@@ -132,6 +133,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary directory)")
     parser.add_argument("--configs", default="all", help="indices into CONFIGS (0,2), 'all' or 'none' (only restores)")
+    parser.add_argument("--restore-full-every", type=int, default=None,
+                        help="restore jobs: chains of this many saves (full_every_n_saves), to measure the cost of "
+                             "chains longer than the policy makes (default: the policy's own chains)")
+    parser.add_argument("--restore-window", type=int, default=RESTORE_WINDOW, help="restore jobs: steps with saves")
     args = parser.parse_args()
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ett-incremental-bench-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -150,7 +155,8 @@ def main() -> None:
         report_config(stream, every, runs)
         report_policies(stream, every, runs["incremental"])
     for r in range(args.rounds):
-        restores.append(job("incremental", "zipf", 50, RESTORE_WINDOW, args.gib, base, "--restore"))
+        forced = ("--full-every", str(args.restore_full_every)) if args.restore_full_every else ()
+        restores.append(job("incremental", "zipf", 50, args.restore_window, args.gib, base, "--restore", *forced))
     report_restores(restores)
     (base / "restores.json").write_text(json.dumps([r["restores"] for r in restores], indent=1))  # every job's raw figures
     if not args.dir:

@@ -39,7 +39,7 @@ DELTA_FILE = "delta-rank{rank:05d}.pt"
 DELTA_GLOB = "delta-rank*.pt"
 _FORMAT = 1
 _CHUNK_BYTES = 64 << 20  # rows compared per pass: bounds the temporary mask memory
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype per element size
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # integer words rows are compared and copied in
 INDEX_FILE = "delta-index.json"
 
 
@@ -136,17 +136,27 @@ def changed_rows(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     n = current.shape[0] if current.dim() else 1
     if n == 0 or current.numel() == 0:
         return torch.zeros(0, dtype=torch.int64)
-    a = current.reshape(n, -1).view(torch.uint8)
-    b = previous.reshape(n, -1).view(torch.uint8)
-    width = a.shape[1]
-    for word in (torch.int64, torch.int32, torch.int16):  # compare in the widest word the row size allows
-        size = torch.empty(0, dtype=word).element_size()
-        if width % size == 0:
-            a, b = a.view(word), b.view(word)
-            break
-    step = max(1, _CHUNK_BYTES // max(1, width))
+    a, b = as_words(current.reshape(n, -1), previous.reshape(n, -1))
+    step = max(1, _CHUNK_BYTES // max(1, a.shape[1] * a.element_size()))
     found = [torch.nonzero((a[i:i + step] != b[i:i + step]).any(dim=1)).flatten() + i for i in range(0, n, step)]
     return torch.cat(found) if found else torch.zeros(0, dtype=torch.int64)
+
+
+def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of same-width row tensors (``[rows, ...]``) as ``[rows, words]`` of the widest
+    integer word that all of them allow: compared (:func:`changed_rows`) and copied (:func:`_paste`) as bits, so
+    every dtype (float8 and float4 too, NaN payloads, -0.0) round-trips exactly, and in as few elements as the
+    rows allow: a 64-float row is 32 words, not 64 (a copy of scattered rows costs per element as well as per byte).
+
+    Views, never copies: a column slice of a table stays a view, so a paste into it writes the table.
+    """
+    as_bytes = [(t.unsqueeze(1) if t.dim() == 1 else t.view(t.shape[0], -1)).view(torch.uint8) for t in tensors]
+    for word in _WORDS:
+        size = torch.empty(0, dtype=word).element_size()
+        if all(b.shape[1] % size == 0 and b.storage_offset() % size == 0
+               and all(stride % size == 0 for stride in b.stride()[:-1]) for b in as_bytes):
+            return tuple(b.view(word) for b in as_bytes)
+    raise AssertionError("unreachable: every row is a whole number of bytes")
 
 
 def diff(current: dict[str, Any], previous: dict[int, Any]) -> tuple[list[RowRecord], int, int]:
@@ -317,9 +327,8 @@ def _paste(target: torch.Tensor, target_offsets: tuple[int, ...], record: RowRec
         if not pick.numel():
             return 0
         local, values = local[pick], values[pick]
-    values = values.to(target.device, target.dtype)
-    bits = _BITS[target.element_size()]  # copied as bits: every dtype (float8, float4 too), bit for bit as diffed
-    target.view(bits).index_copy_(0, local.to(target.device), values.view(bits))
+    into, rows = as_words(target, values.to(target.device, target.dtype))
+    into.index_copy_(0, local.to(target.device), rows)
     return int(local.numel())
 
 
