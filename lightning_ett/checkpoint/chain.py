@@ -70,13 +70,14 @@ def read_whole(path: Path, key: str) -> dict[str, Any]:
 MAX_EXTRA_RESTORE = 0.5
 #: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest and
 #: index read, its file opened and parsed, its rows scattered into the tables. Its rows count at a full save's
-#: rate. Calibrated from one ad-hoc profiling run on 2 CPU ranks (2026-12-05, not kept; warm and cold restores
-#: timed by hand): a full save of 1 GiB a rank restored in 0.61 s warm / 0.97 s cold, each delta of 19 MB a rank
-#: added 0.025 s warm / 0.038 s cold, ~24 MiB warm / ~22 MiB cold of a full save's reading beyond its own bytes.
-#: The benchmark's repeated restores (2026-12-05, 3 jobs x 3 repeats) agree: ~0.03 s a delta warm, 11 deltas at
-#: 1.46x warm / 1.44x cold (medians; one job 1.63x cold, where one restore of the same files varies 0.6-1.7x).
-#: No margin: a slower disk or file system may take more than the estimate says (``benchmarks/README.md``).
-DELTA_OPEN_BYTES_PER_RANK = 24 << 20
+#: rate. Calibrated by the benchmark (``incremental_checkpoint.py --configs none --restore-full-every 21``,
+#: 2026-12-05, 3 jobs on 2 CPU ranks, chains of 1-20 deltas of ~21 MiB a rank, each restored 3x cold, 3x warm):
+#: warm, each delta adds 0.0195 s to a 0.78 s full restore of 1 GiB a rank (0.025 of it: its 21 MiB and ~5 MiB
+#: more), 1.42x at 16 deltas, 1.49x at 19; cold (a 2.0 s full restore) it stays within 1.34x at every length.
+#: 10 MiB keeps a chain of such deltas to 16 (a margin of ~3 deltas, ~0.07x, on the warm slope). An earlier
+#: measurement (commit 4a7ec9e, before rows were pasted as 64-bit words) found ~0.03 s a delta warm; a slower
+#: disk or file system may take more than the estimate says (``benchmarks/README.md``).
+DELTA_OPEN_BYTES_PER_RANK = 10 << 20
 
 
 def next_delta_budget(full_bytes: int, chain_bytes: int, deltas: int, world_size: int) -> float:
