@@ -36,10 +36,10 @@ sys.path.insert(0, str(HERE))
 from spread import aa_floor, median_range, round_order
 
 ARMS = ("full", "incremental", "dcp_async", "full A/A")
-#: stream, every, window steps. Zipf every 50 (the goal's) runs 1600 steps: two and a half chains of the policy's length
-#: (a full save and 11 deltas), a job's steady state rather than its first full save.
+#: stream, every, window steps. Zipf every 50 (the goal's) runs 1600 steps: about two chains of the policy's length
+#: (a full save and 15 deltas), a job's steady state rather than its first full save.
 CONFIGS = (("zipf", 10, 300), ("zipf", 50, 1600), ("zipf", 200, 1000), ("uniform", 50, 600))
-RESTORE_WINDOW = 800  # steps: a chain to the policy's bound (11 deltas of this stream every 50 steps) and past it
+RESTORE_WINDOW = 1000  # steps: a chain to the policy's bound (15 deltas of this stream every 50 steps) and past it
 
 
 def job(arm: str, stream: str, every: int, window: int, gib: float, base: Path, *extra: str) -> dict:

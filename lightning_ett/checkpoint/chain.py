@@ -70,14 +70,14 @@ def read_whole(path: Path, key: str) -> dict[str, Any]:
 MAX_EXTRA_RESTORE = 0.5
 #: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest and
 #: index read, its file opened and parsed, its rows scattered into the tables. Its rows count at a full save's
-#: rate. Calibrated by the benchmark (``incremental_checkpoint.py --configs none --restore-full-every 21``,
-#: 2026-12-05, 3 jobs on 2 CPU ranks, chains of 1-20 deltas of ~21 MiB a rank, each restored 3x cold, 3x warm):
-#: warm, each delta adds 0.0195 s to a 0.78 s full restore of 1 GiB a rank (0.025 of it: its 21 MiB and ~5 MiB
-#: more), 1.42x at 16 deltas, 1.49x at 19; cold (a 2.0 s full restore) it stays within 1.34x at every length.
-#: 10 MiB keeps a chain of such deltas to 16 (a margin of ~3 deltas, ~0.07x, on the warm slope). An earlier
-#: measurement (commit 4a7ec9e, before rows were pasted as 64-bit words) found ~0.03 s a delta warm; a slower
-#: disk or file system may take more than the estimate says (``benchmarks/README.md``).
-DELTA_OPEN_BYTES_PER_RANK = 10 << 20
+#: rate. Calibrated by the benchmark (``incremental_checkpoint.py``, 2026-12-05, 2 CPU ranks, 1 GiB of tables a
+#: rank, deltas of ~20 MiB a rank, every checkpoint restored 3x cold and 3x warm): warm, each delta adds 0.0195 s
+#: to a 0.78 s full restore (0.025 of it: its bytes and ~5 MiB more); 1.5x is reached at 19-20 deltas when chains
+#: are forced longer (``--restore-full-every 21``), and the policy's own chains of 17 deltas (with 10 MiB here)
+#: restored at 1.50x warm / 1.45x cold (3 jobs, medians): no margin. 13 MiB stops such chains at 15 deltas,
+#: measured at 1.39-1.41x warm and within 1.40x cold (medians of both runs): a margin of ~0.1x. A slower disk or
+#: file system may still take more than the estimate says (``benchmarks/README.md``).
+DELTA_OPEN_BYTES_PER_RANK = 13 << 20
 
 
 def next_delta_budget(full_bytes: int, chain_bytes: int, deltas: int, world_size: int) -> float:

@@ -40,6 +40,7 @@ DELTA_GLOB = "delta-rank*.pt"
 _FORMAT = 1
 _CHUNK_BYTES = 64 << 20  # rows compared per pass: bounds the temporary mask memory
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # integer words rows are compared and copied in
+_WORD_SIZES = (1, 2, 4, 8)  # their sizes, narrowest first
 INDEX_FILE = "delta-index.json"
 
 
@@ -148,12 +149,17 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     every dtype (float8 and float4 too, NaN payloads, -0.0) round-trips exactly, and in as few elements as the
     rows allow: a 64-float row is 32 words, not 64 (a copy of scattered rows costs per element as well as per byte).
 
-    Views, never copies: a column slice of a table stays a view, so a paste into it writes the table.
+    Views, never copies: a column slice of a table stays a view, so a paste into it writes the table. A word is
+    chosen only where every row starts on a multiple of it in memory (CUDA faults on misaligned words); tensors
+    whose rows cannot be viewed as bytes (a transposed or permuted layout) are viewed element by element, as
+    integers of their own element size, in their own shapes.
     """
-    as_bytes = [(t.unsqueeze(1) if t.dim() == 1 else t.view(t.shape[0], -1)).view(torch.uint8) for t in tensors]
-    for word in _WORDS:
-        size = torch.empty(0, dtype=word).element_size()
-        if all(b.shape[1] % size == 0 and b.storage_offset() % size == 0
+    try:
+        as_bytes = [(t.unsqueeze(1) if t.dim() == 1 else t.view(t.shape[0], -1)).view(torch.uint8) for t in tensors]
+    except RuntimeError:  # last stride not 1, or dimensions that do not fold into rows: element by element
+        return tuple(t.view(_WORDS[-1 - _WORD_SIZES.index(t.element_size())]) for t in tensors)
+    for word, size in zip(_WORDS, reversed(_WORD_SIZES), strict=True):
+        if all(b.shape[1] % size == 0 and b.storage_offset() % size == 0 and b.data_ptr() % size == 0
                and all(stride % size == 0 for stride in b.stride()[:-1]) for b in as_bytes):
             return tuple(b.view(word) for b in as_bytes)
     raise AssertionError("unreachable: every row is a whole number of bytes")
