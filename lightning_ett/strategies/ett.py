@@ -7,6 +7,8 @@ background), :mod:`.plan_cache` (local planning and its cache), :mod:`lightning_
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -379,7 +381,8 @@ class ETTStrategy(ParallelStrategy):
             self.model = self._dmp  # sharded by an earlier stage of this Trainer
         else:
             self._replan_if_tables_changed(module)
-            self._wrap(module)
+            with _fbgemm_width_is_configuration():
+                self._wrap(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._route_sharded_parameters()
@@ -693,3 +696,19 @@ class ETTStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+@contextmanager
+def _fbgemm_width_is_configuration() -> Iterator[None]:
+    """TorchRec asserts, while sharding, that every table's (or column shard's) width is a multiple of 4, which
+    FBGEMM's kernels need: a model that fails so fails on every attempt, so it is raised as a
+    :class:`ConfigurationError` (``lightning run`` does not retry it), saying what to change."""
+    try:
+        yield
+    except AssertionError as e:
+        if "not divisible by 4" not in str(e):
+            raise
+        raise ConfigurationError(
+            f"ETTStrategy cannot shard this model's tables: {e}. Give every EmbeddingBagConfig/EmbeddingConfig an "
+            "embedding_dim that is a multiple of 4; for column_wise sharding, also a min_partition that is one "
+            "(ETTStrategy(constraints=...)).") from e

@@ -139,6 +139,15 @@ def test_a_checkpoint_of_another_model_is_not_retried_and_says_so(tmp_path, unin
     assert all(r["global_step"] == 12 and len(r["losses"]) == 6 for r in ranks)
 
 
+def test_a_table_width_fbgemm_cannot_shard_is_not_retried_and_names_the_fix(tmp_path):
+    out = tmp_path / "dim6"
+    proc = launch(JOB, "--out", str(out), "--embedding-dim", "6", "--max-steps", "2", run_dir=out / "ett", max_restarts=2)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "not retried" in said, said[-3000:]
+    assert "not divisible by 4" in said and "embedding_dim that is a multiple of 4" in said
+    assert len(summarize_run_dir(out / "ett").attempts) == 1
+
+
 def test_second_start_loads_the_plan_from_cache_and_other_tables_miss_it(tmp_path):
     cache = tmp_path / "plans"
     first = run_job(tmp_path / "a", "--max-steps", "2", "--plan-cache", str(cache))

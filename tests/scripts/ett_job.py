@@ -64,14 +64,16 @@ class ShardedDLRM(LightningModule):
             self.build()  # tables that exist only after ETTStrategy's overlap window
 
     def build(self) -> None:
-        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=self.rows, feature_names=[k])
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=self.embedding_dim, num_embeddings=self.rows,
+                                     feature_names=[k])
                   for i, k in enumerate(KEYS)]
         torch.manual_seed(0)
         self.dlrm = DLRM(
             embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-            dense_in_features=DENSE, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+            dense_in_features=DENSE, dense_arch_layer_sizes=[16, self.embedding_dim], over_arch_layer_sizes=[16, 1],
         )
 
+    embedding_dim = 8  # every table's (set on the class before construction: the tables are built in __init__)
     sigterm_at: int | None = None
     kill_at: int | None = None
     kill_rank = 1
@@ -170,6 +172,7 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="a checkpoint, or 'last' (with --save-every: ModelCheckpoint's last)")
     p.add_argument("--plan-cache", default=None)
     p.add_argument("--rows", type=int, default=200)
+    p.add_argument("--embedding-dim", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--sigterm-at", type=int, default=None)
     p.add_argument("--dense-optimizer", choices=["adam", "adagrad"], default="adam")
@@ -235,6 +238,7 @@ def main() -> None:
                       num_sanity_val_steps=0,
                       enable_checkpointing=bool(args.save_every or args.async_every or args.async_minutes),
                       gradient_clip_val=1.0)
+    ShardedDLRM.embedding_dim = args.embedding_dim
     model = ShardedDLRM(args.rows, args.batch, build_in_setup=args.build_in_setup, batchnorm=args.batchnorm)
     model.sigterm_at = args.sigterm_at
     model.dense_optimizer = args.dense_optimizer
