@@ -154,8 +154,8 @@ def main() -> None:
                   + ", ".join(f"{a} {runs[a][-1]['bytes_per_hour'] / 1e9:.1f}" for a in ARMS), flush=True)
         report_config(stream, every, runs)
         report_policies(stream, every, runs["incremental"])
+    forced = ("--full-every", str(args.restore_full_every)) if args.restore_full_every else ()
     for r in range(args.rounds):
-        forced = ("--full-every", str(args.restore_full_every)) if args.restore_full_every else ()
         restores.append(job("incremental", "zipf", 50, args.restore_window, args.gib, base, "--restore", *forced))
     report_restores(restores)
     (base / "restores.json").write_text(json.dumps([r["restores"] for r in restores], indent=1))  # every job's raw figures

@@ -39,8 +39,8 @@ DELTA_FILE = "delta-rank{rank:05d}.pt"
 DELTA_GLOB = "delta-rank*.pt"
 _FORMAT = 1
 _CHUNK_BYTES = 64 << 20  # rows compared per pass: bounds the temporary mask memory
-_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # integer words rows are compared and copied in
-_WORD_SIZES = (1, 2, 4, 8)  # their sizes, narrowest first
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # integer words rows are compared and copied in, widest first
+_WORD_OF_SIZE = {word.itemsize: word for word in _WORDS}
 INDEX_FILE = "delta-index.json"
 
 
@@ -157,8 +157,9 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     try:
         as_bytes = [(t.unsqueeze(1) if t.dim() == 1 else t.view(t.shape[0], -1)).view(torch.uint8) for t in tensors]
     except RuntimeError:  # last stride not 1, or dimensions that do not fold into rows: element by element
-        return tuple(t.view(_WORDS[-1 - _WORD_SIZES.index(t.element_size())]) for t in tensors)
-    for word, size in zip(_WORDS, reversed(_WORD_SIZES), strict=True):
+        return tuple(t.view(_WORD_OF_SIZE[t.element_size()]) for t in tensors)
+    for word in _WORDS:
+        size = word.itemsize
         if all(b.shape[1] % size == 0 and b.storage_offset() % size == 0 and b.data_ptr() % size == 0
                and all(stride % size == 0 for stride in b.stride()[:-1]) for b in as_bytes):
             return tuple(b.view(word) for b in as_bytes)
