@@ -16,6 +16,7 @@ from lightning_ett.strategies.plan_cache import (
     compute_plan,
     embedding_tables,
     plan_inputs,
+    tables_by_module,
     validate_constraints,
 )
 from lightning_ett.strategies.sharders import default_sharders
@@ -64,6 +65,19 @@ def test_plan_cache_round_trips_and_rejects_a_file_written_for_other_inputs(tmp_
     with pytest.warns(UserWarning, match=f"ignoring the plan cache entry '{cache.path(other.key)}'.*written for other inputs"):
         assert cache.load(other, tables) is None
     assert not cache.path(other.key).exists() and len(list(tmp_path.glob(f"{cache.path(other.key).name}.corrupt-*"))) == 1
+
+
+def test_two_modules_that_name_their_tables_alike_both_count_in_the_plan_cache_key():
+    # A two-tower model whose towers both call their tables t0..t2: a change to one tower must miss the cache (it hit
+    # a stale plan, which TorchRec then refused: "Total volume of shards ... does not match tensor volume").
+    def towers(user_rows: int) -> torch.nn.Module:
+        return torch.nn.ModuleDict({"user": ebc(user_rows), "item": ebc(100)})
+
+    topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
+    keys = {rows: plan_inputs(tables_by_module(towers(rows)), topology, default_sharders("cpu"), {}, 512).key
+            for rows in (100, 150)}
+    assert keys[100] != keys[150]
+    assert [path for path, _ in tables_by_module(towers(100))] == ["user.0"] * 3 + ["item.0"] * 3
 
 
 @pytest.mark.parametrize("damage", [b"garbage, not a pickle", b"", "truncated"])

@@ -37,14 +37,21 @@ def embedding_modules(module: nn.Module) -> list[EmbeddingBagCollection | Embedd
     return [sub for sub in module.modules() if isinstance(sub, (EmbeddingBagCollection, EmbeddingCollection))]
 
 
+def tables_by_module(module: nn.Module) -> list[tuple[str, BaseEmbeddingConfig]]:
+    """Every table of every (unsharded) TorchRec embedding module in ``module``, with the module's path: two modules
+    (a two-tower model's towers) may name their tables alike, which a plan's cache key must tell apart."""
+    out: list[tuple[str, BaseEmbeddingConfig]] = []
+    for path, sub in module.named_modules():
+        if isinstance(sub, (EmbeddingBagCollection, EmbeddingCollection)):
+            configs = sub.embedding_bag_configs() if isinstance(sub, EmbeddingBagCollection) else sub.embedding_configs()
+            out.extend((path, config) for config in configs)
+    return out
+
+
 def embedding_tables(module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
-    """Every table of every (unsharded) TorchRec embedding module in ``module``, by table name."""
-    tables: dict[str, BaseEmbeddingConfig] = {}
-    for sub in embedding_modules(module):
-        configs = sub.embedding_bag_configs() if isinstance(sub, EmbeddingBagCollection) else sub.embedding_configs()
-        for config in configs:
-            tables[config.name] = config
-    return tables
+    """Every table of every (unsharded) TorchRec embedding module in ``module``, by table name (as the planner's
+    constraints and plans name them)."""
+    return {config.name: config for _, config in tables_by_module(module)}
 
 
 def validate_constraints(constraints: dict[str, ParameterConstraints], tables: dict[str, Any]) -> None:
@@ -84,7 +91,7 @@ class PlanInputs:
 
 
 def plan_inputs(
-    tables: dict[str, BaseEmbeddingConfig],
+    tables: dict[str, BaseEmbeddingConfig] | list[tuple[str, BaseEmbeddingConfig]],
     topology: Topology,
     sharders: list[ModuleSharder[nn.Module]],
     constraints: dict[str, ParameterConstraints],
@@ -94,11 +101,13 @@ def plan_inputs(
     import torchrec
 
     device = topology.compute_device
+    located = [("", c) for c in tables.values()] if isinstance(tables, dict) else tables  # (module path, table)
     return PlanInputs(
-        tables=tuple(
-            (c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), str(c.data_type), str(getattr(c, "pooling", "")))
-            for c in sorted(tables.values(), key=lambda c: c.name)
-        ),
+        tables=tuple(sorted(
+            (path, c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), str(c.data_type),
+             str(getattr(c, "pooling", "")))
+            for path, c in located
+        )),
         world_size=topology.world_size,
         local_world_size=topology.local_world_size,
         compute_device=device,
