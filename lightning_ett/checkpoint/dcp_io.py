@@ -107,5 +107,10 @@ def load_into(target: dict[str, Any], directory: Path, partial: bool = False) ->
                      no_dist=True)  # in place: plain dicts
 
 
+def saved_keys(directory: Path) -> set[str]:
+    """The flattened keys (``fused.state.<param>.<state>``) of every entry a DCP checkpoint holds, from its metadata."""
+    return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -15,6 +15,7 @@ an atomic rename): a directory without a valid manifest is refused on load, nami
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_ett.checkpoint import chain, dcp_io
-from lightning_ett.checkpoint.layout import commit_checkpoint, read_meta, require_complete
+from lightning_ett.checkpoint.layout import chain_of, commit_checkpoint, read_meta, require_complete
 from lightning_ett.checkpoint.writer import CheckpointWriteError
 from lightning_ett.durable.commit import discard_unfinished, temp_path
 from lightning_ett.durable.errors import ConfigurationError, explain, root_cause
@@ -40,7 +41,7 @@ FUSED_NAME_KEY = "ett_fused_optimizer"
 
 def _position_names(optimizer: Optimizer, names: dict[int, str]) -> list[str]:
     """Parameter names in the order ``optimizer.state_dict()`` numbers the parameters."""
-    return [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    return [names[id(param)] for param in _params(optimizer)]
 
 
 def name_keyed_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> dict[str, Any]:
@@ -53,17 +54,60 @@ def name_keyed_optimizer_state(optimizer: Optimizer, names: dict[int, str]) -> d
     }
 
 
-def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any], names: dict[int, str]) -> None:
-    name_to_index = {name: index for index, name in enumerate(_position_names(optimizer, names))}
-    missing = sorted(set(saved["state"]) - set(name_to_index))
-    if missing:
-        raise KeyError(f"Checkpointed optimizer state for parameters this optimizer does not hold: {missing[:5]}")
-    optimizer.load_state_dict(
-        {
-            "state": {name_to_index[n]: s for n, s in saved["state"].items()},
-            "param_groups": [dict(g, params=[name_to_index[n] for n in g["params"]]) for g in saved["param_groups"]],
-        }
-    )
+def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any], names: dict[int, str]
+                                    ) -> tuple[list[str], list[str]]:
+    """Load :func:`name_keyed_optimizer_state`'s output into ``optimizer``, by parameter name.
+
+    Made for a plan that changed between save and resume: a parameter the optimizer holds that the checkpoint has
+    no entry for (a table sharded when saved, data-parallel now) keeps the state the optimizer gave it (none, or what
+    its constructor made), and state for a parameter it no longer holds (the reverse: the table's state is now the
+    fused optimizer's) is left behind. Returns those two lists of names, (new, left behind with state), for the
+    caller to warn about. Groups are matched by position, as torch matches them, and a parameter both know must be
+    in the same group in both (else its hyperparameters would silently be another group's); each group's parameters
+    are numbered in the optimizer's order, so state lands by name whatever order the checkpoint listed them in.
+    """
+    positions = _position_names(optimizer, names)
+    index = {name: i for i, name in enumerate(positions)}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ConfigurationError(
+            f"The checkpoint's optimizer has {len(saved['param_groups'])} parameter groups and configure_optimizers "
+            f"now makes {len(optimizer.param_groups)}: resume with the configure_optimizers it was saved with, or "
+            "start afresh.")
+    groups, first = [], 0
+    for number, (was, now) in enumerate(zip(saved["param_groups"], optimizer.param_groups, strict=True)):
+        here = set(positions[first:first + len(now["params"])])
+        moved = sorted(n for n in was["params"] if n in index and n not in here)
+        if moved:
+            raise ConfigurationError(
+                f"configure_optimizers puts {moved[:3]} in another parameter group than the checkpoint's group "
+                f"{number}: their hyperparameters would be another group's. Resume with the parameter groups it was "
+                "saved with, or start afresh.")
+        group = dict(was, params=list(range(first, first + len(now["params"]))))
+        if "param_names" in now:
+            group["param_names"] = now["param_names"]
+        else:
+            group.pop("param_names", None)
+        groups.append(group)
+        first += len(now["params"])
+    had = {name for group in saved["param_groups"] for name in group["params"]} | set(saved["state"])
+    new = [n for n in positions if n not in had]
+    made = {n: optimizer.state[p] for p in _params(optimizer) if (n := names[id(p)]) in new and p in optimizer.state}
+    optimizer.load_state_dict({"state": {index[n]: s for n, s in saved["state"].items() if n in index},
+                               "param_groups": groups})
+    for p in _params(optimizer):  # torch keeps only the loaded state: what a constructor made for a new one comes back
+        if names[id(p)] in made:
+            optimizer.state[p] = made[names[id(p)]]
+    return new, sorted(set(saved["state"]) - set(index))
+
+
+def _has_prefix(keys: list[str], prefix: str) -> bool:
+    """Whether any of the sorted ``keys`` starts with ``prefix`` (a binary search: tables x keys can be large)."""
+    at = bisect.bisect_left(keys, prefix)
+    return at < len(keys) and keys[at].startswith(prefix)
+
+
+def _params(optimizer: Optimizer) -> list[Any]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
 def save_sharded(tensors: dict[str, Any], checkpoint: dict[str, Any], path: str | os.PathLike, rank: int,
@@ -131,12 +175,23 @@ def load_model(path: str | os.PathLike, model: nn.Module, strict: bool = True) -
     model.load_state_dict(target["model"], strict=strict)
 
 
-def load_fused(path: str | os.PathLike, fused: Any) -> None:
+def load_fused(path: str | os.PathLike, fused: Any) -> list[str]:
+    """Load the fused (embedding) optimizer's state from the checkpoint at ``path``, any layout.
+
+    A table the checkpoint holds no state for at all (data-parallel when it was saved: the dense optimizer's then,
+    or added since) keeps its fresh state; returns those tables' parameter names on this rank, for the caller to
+    warn about. A table with some of its state missing is another optimizer's: an error, as before.
+    """
     if hasattr(fused, "init_state") and not fused.state_dict().get("state"):
         fused.init_state()  # KeyedOptimizer state is lazy: build it, or DCP has no targets to fill
     target = {"fused": fused.state_dict()}
+    held = sorted(dcp_io.saved_keys(chain_of(Path(path))[0]))  # a chain's row-tracked state is its full save's
+    fresh = [name for name, value in target["fused"].get("state", {}).items()
+             if value and not _has_prefix(held, f"fused.state.{name}.")]  # (SGD's tables have empty state)
+    loaded = {"fused": {**target["fused"], "state": {name: value for name, value in target["fused"]["state"].items()
+                                                     if name not in fresh}}} if fresh else target
     try:
-        chain.load_into(target, Path(path))
+        chain.load_into(loaded, Path(path))  # in place: the same tensors as ``target``'s
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         cause = root_cause(e)
         if "Missing key in checkpoint state_dict: fused." in str(cause):
@@ -153,4 +208,5 @@ def load_fused(path: str | os.PathLike, fused: Any) -> None:
             "table whose split changed (column_wise / table_column_wise / grid vs row- or table-wise, or another "
             "min_partition) cannot take it over. Resume with the same sharding type and min_partition for that "
             "table; 1D, 2D and any sharding_group_size may differ.") from e
-    fused.load_state_dict(target["fused"])
+    fused.load_state_dict({**loaded["fused"], "state": {**target["fused"]["state"], **loaded["fused"]["state"]}})
+    return fresh

@@ -53,6 +53,7 @@ from lightning_ett.strategies.plan_cache import (
     plan_digest,
     plan_inputs,
     planned_tables,
+    tables_by_module,
     validate_constraints,
 )
 from lightning_ett.strategies.process_group import default_backend, init_process_group
@@ -328,7 +329,8 @@ class ETTStrategy(ParallelStrategy):
             raise ConfigurationError(f"ETTStrategy(topology=Topology(world_size={topology.world_size}, ...)): the planner plans "
                                      f"{planned_ranks} ranks here ({'the sharding group' if self._group_size else 'the world'}); "
                                      f"pass a Topology with world_size={planned_ranks}.")
-        inputs = plan_inputs(tables, topology, self._sharders, constraints, self.planner_batch_size, self._group_size)
+        inputs = plan_inputs(tables_by_module(module), topology, self._sharders, constraints, self.planner_batch_size,
+                             self._group_size)
         if self.plan_cache is not None:
             cached = self.plan_cache.load(inputs, tables)
             if cached is not None:
@@ -357,6 +359,14 @@ class ETTStrategy(ParallelStrategy):
             for name in tables:
                 constraints.setdefault(name, ParameterConstraints(sharding_types=[self.sharding_type]))
         return constraints_2d(constraints, tables, self._group_size) if self._group_size is not None else constraints
+
+    def _on_every_rank(self, names: list[str]) -> list[str]:
+        """The union of every rank's ``names`` (a table's fused state lives on the ranks that hold its shards)."""
+        if self.world_size < 2 or not _distributed_is_initialized():
+            return names
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, names)
+        return sorted({name for part in every for name in part})
 
     def _check_ranks_agree_on_plan(self) -> None:
         """One tiny all-gather replaces the plan broadcast: catch ranks whose local plans differ."""
@@ -605,10 +615,22 @@ class ETTStrategy(ParallelStrategy):
         fused = self.fused_optimizer_instance
         with record_phase(Phase.CHECKPOINT_LOAD):
             if fused is not None and self._fused_state_carries_over(checkpoint):
-                ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused)
+                fresh = self._on_every_rank(ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused))  # rank-local tables
+                if fresh:
+                    rank_zero_warn(f"ETTStrategy: the checkpoint {str(checkpoint['ett_checkpoint_dir'])!r} holds no "
+                                   f"embedding optimizer state for {_some(fresh)} (data-parallel when it was saved, "
+                                   f"or new): their {self.fused_optimizer} state starts afresh.")
             names = self._parameter_names()
             for optimizer, saved in zip(self.optimizers, checkpoint.get(ckpt.DENSE_KEY, [])):
-                ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
+                new, left = ckpt.load_name_keyed_optimizer_state(optimizer, saved, names)
+                where = str(checkpoint["ett_checkpoint_dir"])
+                if new:
+                    rank_zero_warn(f"ETTStrategy: the checkpoint {where!r} holds no {type(optimizer).__name__} state "
+                                   f"for {_some(new)} (sharded when it was saved, or new): their state starts afresh.")
+                if left:
+                    rank_zero_warn(f"ETTStrategy: the checkpoint {where!r} holds {type(optimizer).__name__} state for "
+                                   f"{_some(left)}, which {type(optimizer).__name__} no longer holds (now sharded, "
+                                   "under the fused optimizer, or gone): left behind.")
 
     def _fused_state_carries_over(self, checkpoint: dict[str, Any]) -> bool:
         """Whether to load the checkpoint's fused optimizer state: yes under the optimizer it was saved with.
@@ -712,3 +734,9 @@ def _fbgemm_width_is_configuration() -> Iterator[None]:
             f"ETTStrategy cannot shard this model's tables: {e}. Give every EmbeddingBagConfig/EmbeddingConfig an "
             "embedding_dim that is a multiple of 4; for column_wise sharding, also a min_partition that is one "
             "(ETTStrategy(constraints=...)).") from e
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first few ``names`` for a message, and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

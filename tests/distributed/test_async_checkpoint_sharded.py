@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,43 @@ def test_every_n_minutes_on_two_ranks_saves_at_the_same_step_everywhere(tmp_path
     assert all(step % 16 == 0 for step in steps[:-1]), steps
     for step in steps:
         assert fmt.verify(ckpt / fmt.checkpoint_name(step)) is None
+
+
+def whole_tables(facts: list[dict]) -> dict[str, torch.Tensor]:
+    """Each embedding table as a whole tensor, from the ranks' local views (table-wise shards or replicas)."""
+    tables: dict[str, torch.Tensor] = {}
+    for rank in facts:
+        for key, value in rank["model"].items():
+            name = key.split("@")[0]
+            if "embedding_bags" in name and name.endswith(".weight"):
+                assert "@" not in key or key.endswith("(0, 0)"), key  # table-wise: one whole shard
+                tables[name] = value
+    return tables
+
+
+def test_a_resume_that_moves_tables_to_data_parallel_and_back_goes_on_warning_what_starts_afresh(tmp_path):
+    # A plan change between save and resume: a table the fused optimizer held is now the dense optimizer's
+    # (new to it, so its state starts afresh), and back again (the dense optimizer's state for it is left behind, the
+    # fused optimizer's starts afresh: the checkpoint holds none for it).
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_job(tmp_path / "tw", "--max-steps", "6", "--async-every", "3", "--ckpt-dir", ckpt)
+    moved = launch(JOB, "--out", str(tmp_path / "dp"), "--max-steps", "6", "--sharding-type", "data_parallel",
+                   "--async-every", "3", "--ckpt-dir", ckpt, run_dir=tmp_path / "dp" / "ett")
+    assert moved.returncode == 0, moved.stderr[-4000:]
+    assert "holds no Adam state for dlrm.sparse_arch.embedding_bag_collection.embedding_bags." in moved.stderr
+    assert "their state starts afresh" in moved.stderr
+    loaded = rank_facts(tmp_path / "dp")
+    assert [f["global_step"] for f in loaded] == [6, 6] and not any(f["losses"] for f in loaded)
+    tables = whole_tables(saved)
+    assert len(tables) == 4 and all(torch.equal(whole_tables([f])[n], t) for f in loaded for n, t in tables.items())
+    on = run_job(tmp_path / "dp2", "--max-steps", "9", "--sharding-type", "data_parallel", "--async-every", "3",
+                 "--ckpt-dir", ckpt)  # trains on from step 6: the new state is made at its first step
+    assert [len(f["losses"]) for f in on] == [3, 3] and all(f["dense_optimizer_params"] == 12 for f in on)
+    back = launch(JOB, "--out", str(tmp_path / "tw2"), "--max-steps", "12", "--async-every", "3", "--ckpt-dir", ckpt,
+                  run_dir=tmp_path / "tw2" / "ett")
+    assert back.returncode == 0, back.stderr[-4000:]
+    assert "which Adam no longer holds (now sharded, under the fused optimizer, or gone): left behind" in back.stderr
+    said = re.search(r"holds no embedding optimizer state for (.*) \(data-parallel when it was saved, or new\): their "
+                     r"row_wise_adagrad state starts afresh", back.stderr)
+    assert said and said.group(1).count("embedding_bags.t") == 4, back.stderr[-3000:]  # every rank's tables, once
+    assert [len(f["losses"]) for f in rank_facts(tmp_path / "tw2")] == [3, 3]
