@@ -27,7 +27,12 @@ from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, 
 from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, next_delta_budget
 from lightning_ett.checkpoint.save_kind import SaveKindChooser
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
-from lightning_ett.checkpoint.writer import CheckpointWriteError, CheckpointWriter, WriteResult
+from lightning_ett.checkpoint.writer import (
+    CheckpointWriteError,
+    CheckpointWriter,
+    CommittedUnconfirmedError,
+    WriteResult,
+)
 from lightning_ett.durable.commit import remove_stale
 from lightning_ett.durable.errors import (
     ANOTHER_RANKS_ERROR,
@@ -723,6 +728,8 @@ class AsyncCheckpoint(Checkpoint):
                 else:
                     self._settle()
                     self._writer.wait(timeout=_EXCEPTION_WAIT_S)  # a save in flight may still complete
+            except CommittedUnconfirmedError as e:  # complete: a resume starts from it
+                rank_zero_warn(f"AsyncCheckpoint: the save in flight when training failed: {e}")
             except Exception as e:  # noqa: BLE001 - the training error is the one to raise; report this one
                 rank_zero_warn(f"AsyncCheckpoint: the save in flight when training failed did not finish on every rank: "
                                f"{e}")

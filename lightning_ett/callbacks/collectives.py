@@ -41,7 +41,12 @@ def any_rank(trainer: pl.Trainer, *flags: bool | float) -> list[bool | float]:
 
 def raise_on_every_rank(trainer: pl.Trainer, error: BaseException | None, owner: str, what: str) -> None:
     """Raise ``error`` where it happened and an echo naming it on the other ranks, if any rank has one."""
-    (failed,) = any_rank(trainer, error is not None)
+    try:
+        (failed,) = any_rank(trainer, error is not None)
+    except Exception:
+        if error is None:
+            raise
+        failed = True  # a rank stopped (often why this rank failed): this rank's own error, with its cause, says more
     if error is not None:
         raise error
     if failed:

@@ -57,6 +57,11 @@ class CheckpointWriteError(ExplainedError):
     """A background checkpoint write failed; raised on the training thread."""
 
 
+class CommittedUnconfirmedError(CheckpointWriteError):
+    """Rank 0 committed a complete checkpoint, but a rank stopped before it was told: the checkpoint is good (every
+    rank had written its part), the job cannot go on without that rank. Not called a failed write."""
+
+
 @dataclass(frozen=True)
 class WriteResult:
     step: int
@@ -217,6 +222,9 @@ class CheckpointWriter:
         if error is not None:
             self._future = None  # raised once
             message = str(error) if isinstance(error, CheckpointWriteError) else explain(error, self.root)
+            if isinstance(error, CommittedUnconfirmedError):  # the type kept: callers tell it from a failed write
+                raise CommittedUnconfirmedError(f"A rank stopped at the end of a background checkpoint save: {message}") \
+                    from error
             raise CheckpointWriteError(f"The background checkpoint write failed: {message}") from error
         if future is self._reported:
             return None
@@ -275,10 +283,16 @@ class CheckpointWriter:
             try:
                 dist.broadcast_object_list(status, src=0, group=self.group)
             except Exception as e:  # a rank died: rank 0 knows whether it committed, the others do not
-                done = ("was committed by rank 0" if self.rank == 0 and error is None else
-                        "may have been committed by rank 0 (a resume takes it only if its manifest is complete)")
-                raise CheckpointWriteError(f"checkpoint {str(final)!r} {done}, but the ranks could not confirm it to "
-                                           f"each other: {explain(e, tmp)}") from e
+                if self.rank == 0 and error is None:  # every rank had written its part (agreed above): complete
+                    raise CommittedUnconfirmedError(
+                        f"checkpoint {str(final)!r} is complete (every rank wrote its part and rank 0 committed it; "
+                        f"a resume starts from it), but another rank stopped before it was told: {explain(e)}") from e
+                if self.rank == 0:  # its own commit failed, and a rank stopped too
+                    raise CheckpointWriteError(f"rank 0 could not commit checkpoint {str(final)!r}: {error}; and a rank "
+                                               f"stopped: {explain(e)}") from e
+                raise CheckpointWriteError(f"checkpoint {str(final)!r} may have been committed by rank 0 (a resume takes "
+                                           f"it only if its manifest is complete), but the ranks could not confirm it "
+                                           f"to each other: {explain(e)}") from e
             if status[0] is not None:
                 raise CheckpointWriteError(f"rank 0 could not commit checkpoint {str(final)!r}: {status[0]}")
         if self.rank != 0:
