@@ -402,8 +402,10 @@ class SparseInputPipeline:
             self._say_once("shape", "a batch did not hold the modules' inputs where the first batch did; "
                                     "such batches train unpipelined")
             return
-        prepared.versions = {name: tensor_versions(*expected) for name, expected in prepared.expected.items()}
         self._start(prepared)
+        # After the input_dist calls: a module's own may change its input in place before sending it (a row-wise
+        # FeatureProcessedEmbeddingBagCollection fills the KJT's weights), as it would unpipelined.
+        prepared.versions = {name: tensor_versions(*expected) for name, expected in prepared.expected.items()}
         self.next = prepared
         self.prepared_batches += 1
 

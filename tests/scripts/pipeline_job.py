@@ -13,7 +13,8 @@ ahead), ``"before_transfer"`` (an ``on_before_batch_transfer`` hook), ``"dataloa
 (``training_step(dataloader_iter)``), ``"after_transfer_step"`` (an ``on_after_batch_transfer`` that scales the
 dense features by the global step), ``"inplace_ids"`` (``training_step`` folds the ids in place),
 ``"rank1_rebuilds"`` (rank 1's forward hands the tables a KJT it builds, rank 0 the batch's) or
-``"stateful_sized"`` (the finite loader with a ``state_dict``); ``"none_at"``: the stream yields None
+``"stateful_sized"`` (the finite loader with a ``state_dict``) or ``"position_weighted"`` (the tables in a
+FeatureProcessedEmbeddingBagCollection); ``"none_at"``: the stream yields None
 there; ``"expect_error"``: a ConfigurationError is recorded, not raised.
 
 The unsized loader is stateful: its state is the number of batches the loop has processed, so a fit
@@ -183,7 +184,25 @@ class StatefulLoader(DataLoader):
         pass
 
 
-VARIANTS = {None: PipelinedDLRM, "after_transfer_step": AfterTransferStep, "inplace_ids": InplaceIds,
+class PositionWeighted(PipelinedDLRM):
+    """The tables behind TorchRec's FeatureProcessedEmbeddingBagCollection (position weights): sharded row-wise, its
+    input_dist fills the KJT's weights in place before sending them, as it does unpipelined."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+        super().__init__(compiled)
+        sparse = self.model.sparse_arch
+        plain = sparse.embedding_bag_collection
+        weighted = EmbeddingBagCollection(plain.embedding_bag_configs(), is_weighted=True, device=plain.device)
+        sparse.embedding_bag_collection = FeatureProcessedEmbeddingBagCollection(
+            weighted, PositionWeightedModuleCollection({f: 1 for f in DEFAULT_CAT_NAMES}))
+
+
+VARIANTS = {None: PipelinedDLRM, "position_weighted": PositionWeighted, "after_transfer_step": AfterTransferStep,
+            "inplace_ids": InplaceIds,
             "rank1_rebuilds": Rank1Rebuilds, "stateful_sized": PipelinedDLRM, "rebuilt_kjt": RebuiltKJT,
             "before_transfer": BeforeTransfer,
             "dataloader_iter": DataloaderIter}
