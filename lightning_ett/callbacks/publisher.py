@@ -62,7 +62,8 @@ class ModelPublisher(Callback):
             for the saved step's last batch, mean over ranks; under gradient accumulation Lightning
             has divided it by the number of batches). Names logged with ``self.log`` are not
             known before they are logged, so they cannot be checked before the first step; name
-            the Metric object instead.
+            the Metric object instead. Every name is in every manifest: ``null`` for a checkpoint saved
+            before a restart (its step's values were not taken in this process).
         submodule: publish only this submodule's weights, named relative to it (e.g.
             ``"model"``: the DLRM inside the LightningModule); default: the whole LightningModule.
         strict: raise :class:`ModelPublishError` at the end of ``fit`` if any publish failed.
@@ -253,7 +254,8 @@ class ModelPublisher(Callback):
             if self._pending is not None:
                 self._release(Path(self._pending.source))  # superseded before it was started: newest wins
             # Numbered above this job's last version, even if the directory was emptied meanwhile.
-            self._pending = PublishRequest(str(path), step, self._metrics_at.pop(step, {}), self.submodule,
+            values = self._metrics_at.pop(step, dict.fromkeys(self.metrics))  # (saved before a restart: null)
+            self._pending = PublishRequest(str(path), step, values, self.submodule,
                                            after_version=self.last_version or 0, deltas=self.deltas,
                                            full_every_n_versions=self.full_every_n_versions)
             self._dispatch(trainer)

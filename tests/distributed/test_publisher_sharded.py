@@ -55,3 +55,15 @@ def test_published_deltas_applied_one_by_one_by_a_server_give_the_trained_model(
         manifest = json.loads((version / "manifest.json").read_text())
         sizes[manifest.get("kind", "full")].append(sum(f["bytes"] for f in manifest["files"].values()))
     assert max(sizes["delta"]) < min(sizes["full"]), sizes  # only the rows that changed
+
+
+def test_every_manifest_names_every_metric_asked_for_after_a_restart_too(tmp_path):
+    # Rank 1 is killed at step 9 of the first attempt; the restarted job publishes the checkpoint it resumed from,
+    # whose step's loss was taken by the dead attempt: the manifest says null, not nothing (a server reads the key).
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(tmp_path), "--max-steps", "12", "--async-every", "4",
+                  "--ckpt-dir", str(tmp_path / "ckpt"), "--publish-dir", str(tmp_path / "pub"), "--kill-at", "9",
+                  run_dir=tmp_path / "ett", max_restarts=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manifests = [json.loads(m.read_text()) for m in sorted((tmp_path / "pub").glob("v*/manifest.json"))]
+    assert manifests and all(set(m["metrics"]) == {"loss"} for m in manifests), manifests
+    assert isinstance(manifests[-1]["metrics"]["loss"], float)  # the last: saved and published by the same attempt
