@@ -71,13 +71,15 @@ MAX_EXTRA_RESTORE = 0.5
 #: What a delta costs to restore beyond its bytes, as bytes of a full save read by each rank: its manifest and
 #: index read, its file opened and parsed, its rows scattered into the tables. Its rows count at a full save's
 #: rate. Calibrated by the benchmark (``incremental_checkpoint.py``, 2026-12-05, 2 CPU ranks, 1 GiB of tables a
-#: rank, deltas of ~20 MiB a rank, every checkpoint restored 3x cold and 3x warm): warm, each delta adds 0.0195 s
-#: to a 0.78 s full restore (0.025 of it: its bytes and ~5 MiB more); 1.5x is reached at 19-20 deltas when chains
-#: are forced longer (``--restore-full-every 21``), and the policy's own chains of 17 deltas (with 10 MiB here)
-#: restored at 1.50x warm / 1.45x cold (3 jobs, medians): no margin. 13 MiB stops such chains at 15 deltas,
-#: measured at 1.39-1.41x warm and within 1.40x cold (medians of both runs): a margin of ~0.1x. A slower disk or
-#: file system may still take more than the estimate says (``benchmarks/README.md``).
-DELTA_OPEN_BYTES_PER_RANK = 13 << 20
+#: rank, deltas of ~19 MiB of rows a rank, every checkpoint restored 3x cold and 3x warm): warm, each delta adds
+#: 0.0195 s to a 0.78 s full restore (0.025 of it: its bytes and ~5 MiB more); 1.5x is reached at 19-20 deltas when
+#: chains are forced longer (``--restore-full-every 21``), and the policy's own chains of 17 deltas (with 10 MiB)
+#: restored at 1.50x warm / 1.45x cold (3 jobs, medians): no margin. With 13 MiB the policy's chains were 16 deltas,
+#: not the 15 estimated from whole saves (a delta's rows are ~37 of its 41 MiB), and on a slower VM (2026-12-06:
+#: full restores 1.08 s warm, 2.27 s cold) restored at 1.47x warm / 1.52x cold. 15 MiB stops them at 15 deltas:
+#: 1.45x / 1.40x in that run, 1.39-1.41x warm before. A slower disk or file system may still take more than the
+#: estimate says (``benchmarks/README.md``).
+DELTA_OPEN_BYTES_PER_RANK = 15 << 20
 
 
 def next_delta_budget(full_bytes: int, chain_bytes: int, deltas: int, world_size: int) -> float:

@@ -314,12 +314,14 @@ def test_a_chain_grows_while_its_estimated_restore_stays_within_one_and_a_half_f
         return 1 + n * (delta_bytes + DELTA_OPEN_BYTES_PER_RANK * world) / full
 
     mib = 1 << 20
-    for full, delta_bytes, world in ((2048 * mib, 41 * mib, 2), (2048 * mib, 1 * mib, 2), (64 * 1024 * mib, 900 * mib, 64)):
+    for full, delta_bytes, world in ((2048 * mib, 37 * mib, 2), (2048 * mib, 1 * mib, 2), (64 * 1024 * mib, 900 * mib, 64)):
         n = deltas_before_a_full(full, delta_bytes, world)
         assert n >= 1
         assert estimated_restore(full, delta_bytes, n, world) <= 1.5 < estimated_restore(full, delta_bytes, n + 1, world)
-    assert deltas_before_a_full(2048 * mib, 41 * mib, 2) == 15  # the benchmark's Zipf stream, a save every 50 steps
-    assert deltas_before_a_full(2048 * mib, 1 * mib, 2) == 37  # tiny deltas: bounded by their count, not their bytes
+    # The benchmark's Zipf stream, a save every 50 steps: ~37 MiB of rows a delta (41 MiB with its dense state, which
+    # the bound does not count). The restore benchmark's chains of 16 took 1.47x warm and 1.52x cold: 15 is the policy.
+    assert deltas_before_a_full(2048 * mib, 37 * mib, 2) == 15
+    assert deltas_before_a_full(2048 * mib, 1 * mib, 2) == 33  # tiny deltas: bounded by their count, not their bytes
     assert deltas_before_a_full(36 * mib, 0, 2) == 0  # small tables: a full save is cheap, every save is full
     assert next_delta_budget(0, 0, 0, 2) < 0  # no full save yet
 
