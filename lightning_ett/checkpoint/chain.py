@@ -77,8 +77,9 @@ MAX_EXTRA_RESTORE = 0.5
 #: restored at 1.50x warm / 1.45x cold (3 jobs, medians): no margin. With 13 MiB the policy's chains were 16 deltas,
 #: not the 15 estimated from whole saves (a delta's rows are ~37 of its 41 MiB), and on a slower VM (2026-12-06:
 #: full restores 1.08 s warm, 2.27 s cold) restored at 1.47x warm / 1.52x cold. 15 MiB stops them at 15 deltas:
-#: 1.45x / 1.40x in that run, 1.39-1.41x warm before. A slower disk or file system may still take more than the
-#: estimate says (``benchmarks/README.md``).
+#: 1.45x / 1.40x in that run, 1.39-1.41x warm before, and 1.61x warm / 1.41x cold in the next run: a delta's warm
+#: cost relative to a full restore moved by 1.9x between runs on that VM, so the bound is an estimate that a run can
+#: exceed; a slower disk or file system may take more too (``benchmarks/README.md``).
 DELTA_OPEN_BYTES_PER_RANK = 15 << 20
 
 
