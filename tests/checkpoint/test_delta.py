@@ -343,9 +343,9 @@ def test_asynccheckpoint_counts_a_chain_by_its_delta_files_and_goes_full_before_
 
     saved(False, 2048 * mib)
     kinds = []
-    for _ in range(18):  # deltas of 41 MiB of rows in 300 MiB checkpoints (their dense state does not count)
+    for _ in range(18):  # deltas of 37 MiB of rows in 300 MiB checkpoints (their dense state does not count)
         kinds.append("delta" if checkpoint._delta_due(trainer) else "full")
-        saved(kinds[-1] == "delta", 300 * mib if kinds[-1] == "delta" else 2048 * mib, 41 * mib)
+        saved(kinds[-1] == "delta", 300 * mib if kinds[-1] == "delta" else 2048 * mib, 37 * mib)
     assert kinds == ["delta"] * 15 + ["full"] + ["delta"] * 2  # 15 fit in 1.5 full restores; a full save restarts
     saved(True, 1100 * mib, 1000 * mib)  # an outsized delta (a burst of changed rows)...
     saved(False, 2048 * mib)
