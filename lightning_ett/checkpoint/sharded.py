@@ -91,12 +91,10 @@ def load_name_keyed_optimizer_state(optimizer: Optimizer, saved: dict[str, Any],
         first += len(now["params"])
     had = {name for group in saved["param_groups"] for name in group["params"]} | set(saved["state"])
     new = [n for n in positions if n not in had]
-    made = {n: optimizer.state[p] for p in _params(optimizer) if (n := names[id(p)]) in new and p in optimizer.state}
+    made = {p: optimizer.state[p] for p in _params(optimizer) if names[id(p)] not in had and p in optimizer.state}
     optimizer.load_state_dict({"state": {index[n]: s for n, s in saved["state"].items() if n in index},
                                "param_groups": groups})
-    for p in _params(optimizer):  # torch keeps only the loaded state: what a constructor made for a new one comes back
-        if names[id(p)] in made:
-            optimizer.state[p] = made[names[id(p)]]
+    optimizer.state.update(made)  # torch keeps only the loaded state: what a constructor made for a new one comes back
     return new, sorted(set(saved["state"]) - set(index))
 
 

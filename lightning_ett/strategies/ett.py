@@ -360,20 +360,19 @@ class ETTStrategy(ParallelStrategy):
                 constraints.setdefault(name, ParameterConstraints(sharding_types=[self.sharding_type]))
         return constraints_2d(constraints, tables, self._group_size) if self._group_size is not None else constraints
 
-    def _on_every_rank(self, names: list[str]) -> list[str]:
-        """The union of every rank's ``names`` (a table's fused state lives on the ranks that hold its shards)."""
-        if self.world_size < 2 or not _distributed_is_initialized():
-            return names
+    def _every_rank(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (this rank's alone in one process)."""
+        if self.world_size < 2:
+            return [value]
         every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, names)
-        return sorted({name for part in every for name in part})
+        dist.all_gather_object(every, value)
+        return every
 
     def _check_ranks_agree_on_plan(self) -> None:
         """One tiny all-gather replaces the plan broadcast: catch ranks whose local plans differ."""
         if self.world_size < 2 or self.plan is None:
             return
-        digests: list[Any] = [None] * self.world_size
-        dist.all_gather_object(digests, plan_digest(self.plan))
+        digests = self._every_rank(plan_digest(self.plan))
         if len(set(digests)) > 1:
             raise RuntimeError(
                 f"ETTStrategy: ranks computed different sharding plans (digest per rank: {digests}). Give every rank "
@@ -615,7 +614,9 @@ class ETTStrategy(ParallelStrategy):
         fused = self.fused_optimizer_instance
         with record_phase(Phase.CHECKPOINT_LOAD):
             if fused is not None and self._fused_state_carries_over(checkpoint):
-                fresh = self._on_every_rank(ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused))  # rank-local tables
+                # Each rank names its own tables (a table's fused state lives on the ranks that hold its shards).
+                fresh = sorted({name for names in self._every_rank(ckpt.load_fused(checkpoint["ett_checkpoint_dir"], fused))
+                                for name in names})
                 if fresh:
                     rank_zero_warn(f"ETTStrategy: the checkpoint {str(checkpoint['ett_checkpoint_dir'])!r} holds no "
                                    f"embedding optimizer state for {_some(fresh)} (data-parallel when it was saved, "
