@@ -36,10 +36,10 @@ sys.path.insert(0, str(HERE))
 from spread import aa_floor, median_range, round_order
 
 ARMS = ("full", "incremental", "dcp_async", "full A/A")
-#: stream, every, window steps. Zipf every 50 (the goal's) runs 1600 steps: about two chains of the policy's length
-#: (a full save and 15 deltas), a job's steady state rather than its first full save.
+#: stream, every, window steps. Zipf every 50 (the goal's) runs 1600 steps (32 saves due): past the job's first
+#: full save and its first chains (12 deltas, then rebases with fewer deltas after each), a job's steady state.
 CONFIGS = (("zipf", 10, 300), ("zipf", 50, 1600), ("zipf", 200, 1000), ("uniform", 50, 600))
-RESTORE_WINDOW = 1000  # steps: a chain to the policy's bound (15 deltas of this stream every 50 steps) and past it
+RESTORE_WINDOW = 1000  # steps: a chain to the policy's bound (12 deltas of this stream every 50 steps), a rebase and more
 
 
 def job(arm: str, stream: str, every: int, window: int, gib: float, base: Path, *extra: str) -> dict:
@@ -69,7 +69,9 @@ def report_config(stream: str, every: int, runs: dict[str, list[dict]]) -> None:
         gb_h = median_range([r["bytes_per_hour"] / 1e9 for r in rs], ".1f")
         fulls = [s["bytes"] / mib for r in rs for s in r["saves"] if s["kind"] == "full"]
         deltas = [s["bytes"] / mib for r in rs for s in r["saves"] if s["kind"] == "delta"]
-        sizes = f"{statistics.median(fulls):.0f}" + (f" / {statistics.median(deltas):.1f}" if deltas else "")
+        rebases = [s["bytes"] / mib for r in rs for s in r["saves"] if s["kind"] == "rebase"]
+        sizes = f"{statistics.median(fulls):.0f}" + (f" / {statistics.median(deltas):.1f}" if deltas else "") + (
+            f" / R {statistics.median(rebases):.0f}" if rebases else "")
         cost = median_range([r["cost_s"] / max(len(r["saves"]), 1) for r in rs], ".3f")
         print(f"{arm:<13}{gb_h:>24}{sizes:>32}{statistics.median(len(r['saves']) for r in rs):>7.0f}"
               f"{statistics.median(r['skipped'] for r in rs):>9.0f}{cost:>24}")
@@ -79,10 +81,14 @@ def report_config(stream: str, every: int, runs: dict[str, list[dict]]) -> None:
     print(f"full / incremental bytes per hour, per round: {median_range(ratio, '.2f')} "
           f"(A/A full / full: {median_range(aa, '.3f')}, floor ±{aa_floor(aa):.3f}); dcp_async / incremental: "
           f"{median_range(dcp, '.2f')}")
-    print("every run (GB/h; saves full+delta): " + "; ".join(
+    print("every run (GB/h; saves full+delta+rebase): " + "; ".join(
         f"{arm} " + " | ".join(f"{r['bytes_per_hour'] / 1e9:.1f} ({sum(s['kind'] == 'full' for s in r['saves'])}+"
-                               f"{sum(s['kind'] == 'delta' for s in r['saves'])})" for r in runs[arm]) for arm in ARMS),
+                               f"{sum(s['kind'] == 'delta' for s in r['saves'])}+"
+                               f"{sum(s['kind'] == 'rebase' for s in r['saves'])})" for r in runs[arm]) for arm in ARMS),
           flush=True)
+    for r in runs["incremental"]:
+        print("  incremental saves in order (F full, d delta, R rebase): " + "".join(
+            {"full": "F", "delta": "d", "rebase": "R"}[s["kind"]] for s in r["saves"]))
 
 
 def report_policies(stream: str, every: int, runs: list[dict]) -> None:
@@ -110,21 +116,30 @@ def report_restores(runs: list[dict]) -> None:
           "policy (or --restore-full-every),\n    every checkpoint of the window kept; each restored 3x cold (pages dropped) "
           "and 3x warm ==")
     for mode in ("cold", "warm"):
-        by_length: dict[int, list[float]] = {}
-        ratios: dict[int, list[float]] = {}
+        by_path: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}
+        worst: list[float] = []  # per job: its slowest restore / its full save's (the goal: every restore <= 1.5x)
         aa: list[float] = []
         for run in runs:
             by_name = {r["base"]: statistics.median(r[mode]) for r in run["restores"] if r["deltas"] == 0}
+            job = []
             for r in run["restores"]:
-                by_length.setdefault(r["deltas"], []).append(statistics.median(r[mode]))
+                path = r.get("path", "d" * r["deltas"])
+                by_path.setdefault(path, []).append(statistics.median(r[mode]))
                 if r["deltas"] == 0:
                     aa += [s / statistics.median(r[mode]) for s in r[mode]]
                 elif r["base"] in by_name:
-                    ratios.setdefault(r["deltas"], []).append(statistics.median(r[mode]) / by_name[r["base"]])
+                    ratios.setdefault(path, []).append(statistics.median(r[mode]) / by_name[r["base"]])
+                    job.append(ratios[path][-1])
+            worst += [max(job)] if job else []
         print(f"  {mode}: a full save's repeats / their median (A/A): {median_range(aa, '.2f')}")
-        for length in sorted(by_length):
-            own = f"  x its full save's restore {median_range(ratios[length], '.2f')}" if length in ratios else ""
-            print(f"  {mode} full + {length:>2} deltas: {median_range(by_length[length], '.2f')} s{own}")
+        for path in sorted(by_path, key=lambda p: (len(p), p)):
+            own = f"  x its full save's restore {median_range(ratios[path], '.2f')}" if path in ratios else ""
+            shown = f"{len(path)} deltas" + (f" ({path})" if "R" in path else "")
+            print(f"  {mode} full + {shown:<24}: {median_range(by_path[path], '.2f')} s{own}")
+        if worst:
+            print(f"  {mode}: each job's slowest restore x its full save's: {median_range(worst, '.2f')} "
+                  f"(every job: {', '.join(f'{w:.2f}' for w in worst)})", flush=True)
 
 
 def main() -> None:

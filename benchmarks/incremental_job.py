@@ -150,7 +150,8 @@ class Driver(Callback):
             if self.saver.async_checkpoint is not None:
                 path = Path(self.saver.async_checkpoint.best_model_path)
             manifest = path / "manifest.json"
-            kind = json.loads(manifest.read_text()).get("kind", "full") if manifest.is_file() else "full"
+            fields = json.loads(manifest.read_text()) if manifest.is_file() else {}
+            kind = "rebase" if fields.get("rebase") else fields.get("kind", "full")
             self.saves.append({"path": path.name, "bytes": directory_bytes(path), "kind": kind})
             if checkpoint is not None:
                 self.staging_bytes = max(self.staging_bytes, checkpoint._stager.nbytes)
@@ -211,6 +212,8 @@ def restore_times(trainer: Trainer, root: Path) -> list[dict[str, Any]]:
     sharded.load_fused(entries[0].path, strategy.fused_optimizer_instance)
     chains = {e.path.name: fmt.chain_of(e.path) for e in entries}  # each manifest read once, not per restore
     results = {e.path.name: {"step": e.step, "deltas": len(chains[e.path.name]) - 1,
+                             "path": "".join("R" if (fmt.read_manifest(m, fmt.FORMAT) or {}).get("rebase") else "d"
+                                             for m in chains[e.path.name][1:]),  # its chain after the full save
                              "base": chains[e.path.name][0].name, "cold": [], "warm": [],
                              "bytes": sum(directory_bytes(m) for m in chains[e.path.name])} for e in entries}
     for cold in (True, False):

@@ -24,7 +24,7 @@ from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.callbacks.loop_state import accumulating
 from lightning_ett.checkpoint import layout as fmt
 from lightning_ett.checkpoint.cadence import FIRST_SAVE_STEPS, CadenceDecision, CadenceTracker, estimate_mtbf_s
-from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, next_delta_budget
+from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, MAX_EXTRA_RESTORE, Rebase, next_delta_budget
 from lightning_ett.checkpoint.save_kind import SaveKindChooser
 from lightning_ett.checkpoint.staging import Snapshot, Stager, storages
 from lightning_ett.checkpoint.writer import (
@@ -132,11 +132,17 @@ class AsyncCheckpoint(Checkpoint):
             in every interval is written once per save, as a one-shot differential against the
             last full save would too, but a row changed once is written once, where the
             differential writes it again at every later save), at the price of reading the
-            chain on restore. So a save is full once a restore of the chain would take more than
-            1.5 full restores, estimated from the committed bytes of the full save and the deltas
-            and a fixed cost per delta (its files opened and parsed: many tiny deltas restore
-            slowly too, and on small tables a full save is cheap anyway; see
-            ``chain.next_delta_budget``). A save is also full while deltas cost about as much
+            chain on restore. A chain is kept to what restores in an estimated 1.4 full restores
+            (0.1 under the 1.5 the design aims at: measured restores exceeded the estimate by up
+            to 0.12), from the committed bytes of the full save and the deltas and a fixed cost
+            per delta (its files opened and parsed: many tiny deltas restore slowly too, and on
+            small tables a full save is cheap anyway; see ``chain.next_delta_budget``). When the
+            next delta would not fit, the save is a *rebase* where it pays: every row changed
+            since the chain's full save, built on that full save alone, so a restore reads the
+            full save, the rebase and the deltas after it (on a heavy-tailed stream the rows
+            changed since a full save grow far slower than the deltas' sum: a rebase is a
+            fraction of a full save); once a full save costs less per save than the next
+            rebase, the save is full (``chain.Rebase``). A save is also full while deltas cost about as much
             as full saves, by their measured true cost (blocked + slowdown): a delta must cost
             under 80 % of a full save; after two in a row that do not, the next 2 saves are full, then a delta is tried
             again (after 4, 8, up to 16 while deltas keep losing; ``save_kind``): on ids spread
@@ -226,10 +232,11 @@ class AsyncCheckpoint(Checkpoint):
         self.overlap_staging = overlap_staging
         self.incremental = incremental
         self.full_every_n_saves = full_every_n_saves
-        # rank 0: the chain since the last full save, from committed results (a restart starts with a full save)
+        # rank 0: the chain a restore of the last save reads, from committed results (a restart starts with a full save)
         self._full_bytes = 0
         self._chain_bytes = 0
         self._last_delta_bytes = 0
+        self._since_full_bytes = 0  # what a rebase would have held at the last delta
         self._said_no_delta = False
         self._deltas_in_chain = 0
         self._kinds = SaveKindChooser()  # rank 0: what deltas and full saves cost
@@ -290,6 +297,7 @@ class AsyncCheckpoint(Checkpoint):
         self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
                                         device=trainer.strategy.root_device)
         self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
+        self._since_full_bytes = 0
         self._final_step, self._first_step, self._skipped_this_fit = None, None, 0
         if self.incremental and not collective:
             rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
@@ -533,14 +541,19 @@ class AsyncCheckpoint(Checkpoint):
             if tensors is not None:  # (replicated state: rank 0 writes it all)
                 late = self._late_storages(trainer) if self.overlap_staging and not final else set()
                 state = {"dcp": tensors, "meta": checkpoint}
-                full, budget = True, math.inf
-                if self.incremental and callable(split):  # every rank is here; any rank's "full" wins, rank 0's budget
-                    full, budget = self._agree(trainer, not (self._delta_due(trainer) and self._stager.can_diff(state)),
-                                               self._delta_budget(trainer) if trainer.is_global_zero else -math.inf)
+                full, budget, rebase_full = True, math.inf, -math.inf
+                if self.incremental and callable(split):  # every rank is here; any rank's "full" wins, rank 0's bounds
+                    zero = trainer.is_global_zero
+                    full, budget, rebase_full = self._agree(
+                        trainer, not (self._delta_due(trainer) and self._stager.can_diff(state)),
+                        self._delta_budget(trainer) if zero else -math.inf,
+                        self._full_bytes if zero and self.full_every_n_saves is None else -math.inf)
                 self._snapshot = self._stager.stage(state, late, keep_base=self.incremental, as_delta=not full)
                 self._writer.submit(self._snapshot, step, boundary_s=time.perf_counter() - start,
                                     on_committed=self._stager.mark_base if self.incremental else None,
-                                    delta_budget=None if math.isinf(budget) else budget)
+                                    delta_budget=None if math.isinf(budget) else budget,
+                                    rebase=None if math.isinf(rebase_full) else Rebase(int(rebase_full),
+                                                                                       trainer.world_size))
             self._verify_after = step
             self.cadence.save_started()
         for listener in list(self._listeners):
@@ -561,17 +574,25 @@ class AsyncCheckpoint(Checkpoint):
             return self._deltas_in_chain + 1 < self.full_every_n_saves
         if not self._kinds.delta_pays():
             return False  # deltas cost about as much as full saves lately (``save_kind``)
-        return self._delta_budget(trainer) > self._last_delta_bytes  # the next one as big as the last: else full now
+        if self._delta_budget(trainer) > self._last_delta_bytes:  # the next one as big as the last: else full now...
+            return True
+        return Rebase(self._full_bytes, trainer.world_size).pays(  # ... unless a rebase pays (the writer decides)
+            self._since_full_bytes + self._last_delta_bytes, self._last_delta_bytes)
 
     def _count_in_chain(self, result: WriteResult) -> None:
         """Rank 0: what the chain's restore bound counts (``chain.next_delta_budget``): a full save starts a chain;
         a delta adds its files (its dense state does not count: a restore reads only the newest delta's)."""
-        if result.incremental:
+        if result.rebased:  # the chain restarts from its full save: a restore reads the rebase, then what follows
+            self._chain_bytes, self._deltas_in_chain = result.delta_bytes, 1
+            self._since_full_bytes = result.since_full_bytes
+        elif result.incremental:
             self._chain_bytes += result.delta_bytes
             self._deltas_in_chain += 1
             self._last_delta_bytes = result.delta_bytes
+            self._since_full_bytes = result.since_full_bytes
         else:
             self._full_bytes, self._chain_bytes, self._deltas_in_chain, self._last_delta_bytes = result.bytes, 0, 0, 0
+            self._since_full_bytes = 0
 
     def _say_if_never_a_delta(self, trainer: pl.Trainer) -> None:
         """Once: with ``incremental``, why every save is full — no sharded tables, or tables this small
@@ -585,13 +606,13 @@ class AsyncCheckpoint(Checkpoint):
                            "write apart (with no tables, incremental=True costs nothing either).")
         elif self.full_every_n_saves is None and self._delta_budget(trainer) <= 0:
             self._said_no_delta = True
-            needed = 2 * DELTA_OPEN_BYTES_PER_RANK * trainer.world_size / 2**20
+            needed = DELTA_OPEN_BYTES_PER_RANK * trainer.world_size / MAX_EXTRA_RESTORE / 2**20
             rank_zero_info(
                 f"AsyncCheckpoint(incremental=True): every save will be full: a full save here is "
                 f"{self._full_bytes / 2**20:.1f} MiB over {trainer.world_size} ranks, and a chain is kept to what "
-                f"restores in 1.5 full restores, counting {DELTA_OPEN_BYTES_PER_RANK >> 20} MiB per rank for each "
-                f"delta's files, so deltas start above {needed:.0f} MiB of full save here (on tables this small a "
-                "full save is cheap). full_every_n_saves=N forces deltas; incremental=False frees the second "
+                f"restores in {1 + MAX_EXTRA_RESTORE:.1f} full restores, counting {DELTA_OPEN_BYTES_PER_RANK >> 20} MiB "
+                f"per rank for each delta's files, so deltas start above {needed:.0f} MiB of full save here (on tables "
+                "this small a full save is cheap). full_every_n_saves=N forces deltas; incremental=False frees the second "
                 "staging copy of the tables.")
 
     def _delta_budget(self, trainer: pl.Trainer) -> float:
@@ -647,6 +668,7 @@ class AsyncCheckpoint(Checkpoint):
         else:
             self._say_if_never_a_delta(trainer)
         metrics["checkpoint/incremental"] = float(result.incremental)
+        metrics["checkpoint/rebase"] = float(result.rebased)
         # (settle's wait is in a timed step already; a fit's first save allocates the buffers: once a fit, not a save)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds, typical=result.step != self._first_step)
         metrics["checkpoint/save_cost_s"] = cost
@@ -667,6 +689,9 @@ class AsyncCheckpoint(Checkpoint):
         log_to_loggers(trainer, metrics)
         kind = (f"a delta: {result.rows_changed} of {result.rows_compared} rows of the tables and their optimizer state, "
                 if result.incremental else "")
+        if result.rebased:
+            kind = ("a rebase on the last full save: every row changed since it (a restore no longer reads the deltas "
+                    "before), ")
         rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({kind}"
                        f"{result.bytes / 2**20:.1f} MiB; "
                        f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "

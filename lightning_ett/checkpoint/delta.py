@@ -166,11 +166,13 @@ def as_words(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     raise AssertionError("unreachable: every row is a whole number of bytes")
 
 
-def diff(current: dict[str, Any], previous: dict[int, Any]) -> tuple[list[RowRecord], int, int]:
+def diff(current: dict[str, Any], previous: dict[int, Any], since_full: RowsSinceFull | None = None
+         ) -> tuple[list[RowRecord], int, int]:
     """The records of every sharded leaf of ``current`` against its previous copy (``previous[id(leaf)]``).
 
-    Returns the records, the rows that changed and the rows compared. Peak memory: the changed
-    rows gathered, which whole-shard records bound to about the sharded state's size.
+    Returns the records, the rows that changed and the rows compared; the changed rows are also marked in
+    ``since_full``. Peak memory: the changed rows gathered, which whole-shard records bound to about the
+    sharded state's size.
     """
     records: list[RowRecord] = []
     compared = changed = 0
@@ -178,17 +180,74 @@ def diff(current: dict[str, Any], previous: dict[int, Any]) -> tuple[list[RowRec
         before = previous[id(leaf)]
         for (now, offsets), (then, _) in zip(shards_with_offsets(leaf), shards_with_offsets(before), strict=True):
             rows = changed_rows(now, then)
-            n = now.shape[0] if now.dim() else 1
-            compared += n
-            if not rows.numel():
-                continue
-            changed += rows.numel()
-            row_bytes = now[0].numel() * now.element_size() if now.dim() else now.element_size()
-            if rows.numel() * (row_bytes + 8) >= n * row_bytes:  # most rows: the shard whole is smaller, and no gather
-                records.append(RowRecord(key, offsets, None, now))
-            else:
-                records.append(RowRecord(key, offsets, rows + offsets[0], now[rows]))
+            compared += now.shape[0] if now.dim() else 1
+            if since_full is not None:
+                since_full.mark(key, offsets, now, rows)
+            if rows.numel():
+                changed += rows.numel()
+                records.append(_record(key, offsets, now, rows))
     return records, changed, compared
+
+
+def _record(key: KeyPath, offsets: tuple[int, ...], now: torch.Tensor, rows: torch.Tensor) -> RowRecord:
+    """The rows ``rows`` (local, sorted) of the shard ``now``; the shard whole when that is smaller (no gather)."""
+    n = now.shape[0] if now.dim() else 1
+    if rows.numel() * (_row_bytes(now) + 8) >= n * _row_bytes(now):
+        return RowRecord(key, offsets, None, now)
+    return RowRecord(key, offsets, rows + offsets[0], now[rows])
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size() if t.dim() else t.element_size()
+
+
+class RowsSinceFull:
+    """Each shard's rows changed since the chain's full save: what a rebase writes (``chain.Rebase``).
+
+    Marked from every comparison (:func:`diff`), committed or not, and cleared only when a full save
+    commits (:meth:`clear`): a superset of the rows that differ from the full save (a row changed back is
+    written again, harmless), never a subset, which would be a silently wrong restore. So it answers
+    only after a full save this process committed (:attr:`valid`), not for a chain it took over.
+    """
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple[KeyPath, tuple[int, ...]], torch.Tensor] = {}
+        self.valid = False
+
+    def clear(self) -> None:
+        """A full save committed: nothing has changed since it."""
+        self._masks, self.valid = {}, True
+
+    def invalidate(self) -> None:
+        self._masks, self.valid = {}, False
+
+    def mark(self, key: KeyPath, offsets: tuple[int, ...], shard: torch.Tensor, rows: torch.Tensor) -> None:
+        n = shard.shape[0] if shard.dim() else 1
+        mask = self._masks.get((key, offsets))
+        if mask is None or mask.numel() != n:
+            if mask is not None:
+                self.valid = False  # another layout than the full save's: only a full save answers again
+            mask = self._masks[(key, offsets)] = torch.zeros(n, dtype=torch.bool)
+        mask[rows] = True
+
+    def nbytes(self, current: dict[str, Any]) -> int:
+        """What :meth:`records` of ``current`` would hold, without gathering them."""
+        total = 0
+        for key, leaf in sharded_leaves(current):
+            for now, offsets in shards_with_offsets(leaf):
+                if (mask := self._masks.get((key, offsets))) is not None and (k := int(mask.sum())):
+                    n = now.shape[0] if now.dim() else 1
+                    total += min(k * (_row_bytes(now) + 8), n * _row_bytes(now))  # as :func:`_record` chooses
+        return total
+
+    def records(self, current: dict[str, Any]) -> list[RowRecord]:
+        """The rows of ``current`` changed since the full save (as :func:`diff` writes records)."""
+        out = []
+        for key, leaf in sharded_leaves(current):
+            for now, offsets in shards_with_offsets(leaf):
+                if (mask := self._masks.get((key, offsets))) is not None and mask.any():
+                    out.append(_record(key, offsets, now, torch.nonzero(mask).flatten()))
+        return out
 
 
 def write(records: list[RowRecord], directory: Path, rank: int) -> dict[str, tuple[int, int]]:

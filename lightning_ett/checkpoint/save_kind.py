@@ -56,7 +56,7 @@ class SaveKindChooser:
         if outgrew_bound:
             self._fulls_to_go = self._back_off()
             return ("the rows changed since the last save alone outgrew the chain's restore bound (a chain is kept "
-                    "to what restores in 1.5 full restores: its deltas' bytes plus a fixed cost per delta and rank), "
+                    "to what restores in 1.4 full restores: its deltas' bytes plus a fixed cost per delta and rank), "
                     f"so the next {self._fulls_to_go} saves are full without comparing rows, then a delta is tried again")
         if not incremental:
             if typical:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from lightning_ett.checkpoint import dcp_io, delta
 from lightning_ett.checkpoint import layout as fmt
+from lightning_ett.checkpoint.chain import Rebase
 from lightning_ett.checkpoint.staging import Snapshot
 from lightning_ett.durable.commit import discard_unfinished, retire, temp_path
 from lightning_ett.durable.errors import ExplainedError, explain
@@ -76,6 +77,8 @@ class WriteResult:
     rows_compared: int = 0
     delta_bytes: int = 0  # (deltas only) its row files and their index: what a restore of a chain reads of it
     over_budget: bool = False  # staged as a delta, written full: its changed rows outgrew the chain's restore bound
+    rebased: bool = False  # (deltas only) a rebase: every row changed since the chain's full save, built on it alone
+    since_full_bytes: int = 0  # (deltas only, all ranks) the bytes a rebase would have held at this save
 
     @property
     def blocked_s(self) -> float:
@@ -162,6 +165,7 @@ class CheckpointWriter:
         self._reported: Future[WriteResult | None] | None = None
         self._retention_lock = threading.Lock()
         self._chain: list[dict[str, Any]] = []  # rank 0: the last committed checkpoint's chain, itself last
+        self._since_full = delta.RowsSinceFull()  # every rank: its rows changed since the chain's full save
 
     def status(self) -> tuple[bool, BaseException | None]:
         """(a save is in flight, the error of the last save if it failed) — from one look at it."""
@@ -177,12 +181,14 @@ class CheckpointWriter:
         return self.status()[0]
 
     def submit(self, snapshot: Snapshot, step: int, boundary_s: float = float("nan"),
-               on_committed: Callable[[Snapshot], None] | None = None, delta_budget: float | None = None) -> None:
+               on_committed: Callable[[Snapshot], None] | None = None, delta_budget: float | None = None,
+               rebase: Rebase | None = None) -> None:
         """Start writing ``snapshot`` (callers have agreed across ranks that no save is in flight).
 
         A snapshot with a base (``snapshot.previous``) is written as a delta of the last checkpoint
-        this writer committed — or in full if its rows, summed over the ranks, exceed
-        ``delta_budget`` bytes; ``on_committed`` runs on every rank once the checkpoint is committed.
+        this writer committed — or, if its rows, summed over the ranks, exceed ``delta_budget`` bytes,
+        as a rebase where ``rebase`` says it pays, else in full; ``on_committed`` runs on every rank once
+        the checkpoint is committed. Every rank must pass the same ``delta_budget`` and ``rebase``.
         """
         assert not self.busy, "at most one save in flight"
         future: Future[WriteResult | None] = Future()
@@ -192,7 +198,7 @@ class CheckpointWriter:
             if self.device is not None and self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # a new thread starts on cuda:0, not this rank's GPU
             try:
-                result = self._write(snapshot, step, boundary_s, delta_budget)
+                result = self._write(snapshot, step, boundary_s, delta_budget, rebase)
                 if result is not _VOID and on_committed is not None:
                     on_committed(snapshot)
                 future.set_result(None if result is _VOID else result)
@@ -238,8 +244,8 @@ class CheckpointWriter:
             _ZIP_CRC_SKIP.release()
 
     # ------------------------------------------------------------------ worker thread
-    def _write(self, snapshot: Snapshot, step: int, boundary_s: float, delta_budget: float | None
-               ) -> WriteResult | None | object:
+    def _write(self, snapshot: Snapshot, step: int, boundary_s: float, delta_budget: float | None,
+               rebase: Rebase | None = None) -> WriteResult | None | object:
         """Write and commit; returns the result (rank 0), ``None`` (other ranks) or ``_VOID`` (dropped, not committed)."""
         start = time.perf_counter()
         final = self.root / fmt.checkpoint_name(step)
@@ -253,7 +259,7 @@ class CheckpointWriter:
             checksums: dict[str, tuple[int, int]] = {}
             delta_fields: dict[str, Any] | None = None
             if incremental:  # the sharded tensors' changed rows, the rest in full (unless the rows are too many)
-                incremental, rows, checksums, delta_fields = self._write_rows(snapshot, tmp, delta_budget)
+                incremental, rows, checksums, delta_fields = self._write_rows(snapshot, tmp, delta_budget, rebase)
                 if incremental:
                     state = delta.without_sharded(state)
             checksums.update(dcp_io.write(state, tmp, self.group, collective=self.collective, staged=True))
@@ -295,10 +301,14 @@ class CheckpointWriter:
                                            f"to each other: {explain(e)}") from e
             if status[0] is not None:
                 raise CheckpointWriteError(f"rank 0 could not commit checkpoint {str(final)!r}: {status[0]}")
+        if not incremental:
+            self._since_full.clear()  # committed on every rank (or by the only writer): a new chain starts here
         if self.rank != 0:
             return None
+        fields = delta_fields or {}
         return WriteResult(step, final, time.perf_counter() - start, nbytes, boundary_s, snapshot.settle_wait_s,
-                           snapshot.late_bytes, incremental, *rows, delta_bytes, attempted and not incremental)
+                           snapshot.late_bytes, incremental, *rows, delta_bytes, attempted and not incremental,
+                           bool(fields.get("rebase")), int(fields.get("since_full_bytes", 0)))
 
     def _all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (this rank's alone without a group)."""
@@ -314,34 +324,50 @@ class CheckpointWriter:
         if failed:
             raise CheckpointWriteError(f"rank {failed[0][0]} could not {what} its rows: {failed[0][1]}")
 
-    def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None
+    def _write_rows(self, snapshot: Snapshot, tmp: Path, budget: float | None, rebase: Rebase | None = None
                     ) -> tuple[bool, tuple[int, int], dict[str, tuple[int, int]], dict[str, Any] | None]:
         """This rank's changed rows into ``tmp``, agreed with every rank: all fine and within ``budget``?
 
         Returns (a delta after all, this rank's (rows changed, rows compared), its file's checksum, and
         on rank 0 the delta's fields: ``tracked``, the row-tracked tensors' key paths of every rank (each
-        rank holds its own tables' optimizer state), and ``index``, where each rank's file's records lie
-        (:func:`delta.spans`), so that a restore opens only the files that hold its rows).
-        The rows' size is agreed before they are written: rows over budget turn the save into a full one
-        on every rank (the restore bound holds), and nothing is written for them. Whether every rank
+        rank holds its own tables' optimizer state), ``index``, where each rank's file's records lie
+        (:func:`delta.spans`), so that a restore opens only the files that hold its rows, ``rebase`` and
+        ``since_full_bytes``).
+        The rows' size is agreed before they are written: rows over budget make the save a rebase where
+        ``rebase`` says it pays (every rank decides alike from the gathered sizes), else a full one on
+        every rank (the restore bound holds), and nothing is written for them. Whether every rank
         wrote its rows is agreed before DCP's collective write, so a rank that failed (out of memory,
         disk full) fails the save on every rank instead of leaving them in the collective.
         """
         error: str | None = None
         records: list[Any] = []
-        nbytes, rows, sums, spans = 0, (0, 0), {}, []
+        nbytes, since_bytes, rows, sums, spans = 0, -1, (0, 0), {}, []
+        state = snapshot.state["dcp"]
         try:
-            records, changed, compared = delta.diff(snapshot.state["dcp"], snapshot.previous or {})
-            nbytes, rows, spans = delta.records_nbytes(records), (changed, compared), delta.spans(records)
+            records, changed, compared = delta.diff(state, snapshot.previous or {}, self._since_full)
+            nbytes, rows = delta.records_nbytes(records), (changed, compared)
+            since_bytes = self._since_full.nbytes(state) if self._since_full.valid else -1
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
             error = explain(e, tmp)
-        everyone = self._all_gather((error, nbytes))
+        everyone = self._all_gather((error, (nbytes, since_bytes)))
         self._raise_if_any_failed(everyone, "compare")
-        if budget is not None and sum(n for _, n in everyone) > budget:
-            return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
+        total = sum(n for _, (n, _) in everyone)
+        since_total = -1 if any(b < 0 for _, (_, b) in everyone) else sum(b for _, (_, b) in everyone)
+        rebased = False
+        if budget is not None and total > budget:
+            if rebase is None or since_total < 0 or not rebase.pays(since_total, total):
+                return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
+            rebased = True  # every row changed since the full save, built on it alone: the chain restarts short
+            try:
+                records = self._since_full.records(state)
+                nbytes = delta.records_nbytes(records)
+            except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+                error = explain(e, tmp)
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
-            sums = delta.write(records, tmp, self.rank)
+            if error is None:
+                spans = delta.spans(records)
+                tmp.mkdir(parents=True, exist_ok=True)
+                sums = delta.write(records, tmp, self.rank)
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
             error = explain(e, tmp)
         finally:
@@ -357,7 +383,8 @@ class CheckpointWriter:
             return True, rows, sums, {}
         tracked = sorted({tuple(key) for keys, _, _ in gathered for key in keys})
         index = {delta.DELTA_FILE.format(rank=rank): where for _, rank, where in gathered}
-        return True, rows, sums, {"tracked": [list(key) for key in tracked], "index": index}
+        return True, rows, sums, {"tracked": [list(key) for key in tracked], "index": index, "rebase": rebased,
+                                  "since_full_bytes": max(since_total, 0)}
 
     def _agree_after_write(self, snapshot: Snapshot, checksums: dict[str, tuple[int, int]], rows: tuple[int, int]
                            ) -> tuple[bool, dict[str, tuple[int, int]], tuple[int, int]]:
@@ -377,17 +404,19 @@ class CheckpointWriter:
         """Make ``tmp`` the durable checkpoint ``final``; returns its size in bytes, and that of its delta files.
 
         A delta (``delta_fields``: see :meth:`_write_rows`) names its chain in its manifest: the last
-        checkpoint this writer committed and that one's chain.
+        checkpoint this writer committed and that one's chain; a rebase, the chain's full save alone.
         """
         is_delta = delta_fields is not None
         assert not is_delta or self._chain, "a delta needs a committed checkpoint to build on"
         extra = None
+        builds_on = self._chain[:1] if delta_fields is not None and delta_fields.get("rebase") else self._chain
         if delta_fields is not None:
-            extra = {"kind": "delta", "chain": self._chain, "tracked": delta_fields["tracked"]}
+            extra = {"kind": "delta", "chain": builds_on, "tracked": delta_fields["tracked"],
+                     "rebase": bool(delta_fields.get("rebase"))}
             checksums = {**checksums, **delta.write_index(delta_fields["index"], tmp)}
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.
         manifest = fmt.commit_checkpoint(tmp, final, meta, step, known=checksums, extra=extra)
-        self._chain = [*(self._chain if is_delta else []), {"name": final.name, "seq": manifest["seq"]}]
+        self._chain = [*(builds_on if is_delta else []), {"name": final.name, "seq": manifest["seq"]}]
         atomic_write_text(self.root / fmt.LATEST_FILE, final.name + "\n")
         self._apply_retention()  # the checkpoint is durable now: a failed deletion is a warning, never a failed save
         files = manifest["files"]

@@ -42,6 +42,11 @@ def test_changed_rows_in_small_chunks_finds_the_same_rows_for_every_dtype_and_1d
 
 def sharded(whole: torch.Tensor, row_splits: list[int], col_splits: list[int]) -> ShardedTensor:
     """One process holding every block of ``whole`` cut at the given row and column starts (a layout, no ranks)."""
+    if whole.dim() == 1:  # (a row-wise optimizer state: rows only)
+        rows = [*row_splits, whole.shape[0]]
+        return ShardedTensor._init_from_local_shards(
+            [Shard(whole[r0:r1].clone(), ShardMetadata([r0], [r1 - r0], "rank:0/cpu"))
+             for r0, r1 in itertools.pairwise(rows)], *whole.shape)
     shards, rows, cols = [], [*row_splits, whole.shape[0]], [*col_splits, whole.shape[1]]
     for r0, r1 in itertools.pairwise(rows):
         for c0, c1 in itertools.pairwise(cols):
@@ -199,10 +204,10 @@ class Saves:
         self.root, self.stager = root, Stager()
         self.writer = CheckpointWriter(root, 0, True, None, None)
 
-    def save(self, step: int, model: dict, budget: float | None = None):  # type: ignore[no-untyped-def]
+    def save(self, step: int, model: dict, budget: float | None = None, rebase=None):  # type: ignore[no-untyped-def]
         state = {"dcp": {"model": model}, "meta": {"global_step": step}}
         snapshot = self.stager.stage(state, set(), keep_base=True, as_delta=self.stager.can_diff(state))
-        self.writer.submit(snapshot, step, on_committed=self.stager.mark_base, delta_budget=budget)
+        self.writer.submit(snapshot, step, on_committed=self.stager.mark_base, delta_budget=budget, rebase=rebase)
         snapshot.settle()
         return self.writer.wait()
 
@@ -301,8 +306,8 @@ def test_a_delta_whose_base_was_replaced_or_deleted_is_not_complete_and_says_whi
         assert fmt.newest_complete(tmp_path) is None
 
 
-def test_a_chain_grows_while_its_estimated_restore_stays_within_one_and_a_half_full_restores():
-    from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, next_delta_budget
+def test_a_chain_grows_while_its_estimated_restore_stays_within_one_and_four_tenths_full_restores():
+    from lightning_ett.checkpoint.chain import DELTA_OPEN_BYTES_PER_RANK, MAX_EXTRA_RESTORE, next_delta_budget
 
     def deltas_before_a_full(full: int, delta_bytes: int, world: int) -> int:
         chain = n = 0
@@ -317,19 +322,22 @@ def test_a_chain_grows_while_its_estimated_restore_stays_within_one_and_a_half_f
     for full, delta_bytes, world in ((2048 * mib, 37 * mib, 2), (2048 * mib, 1 * mib, 2), (64 * 1024 * mib, 900 * mib, 64)):
         n = deltas_before_a_full(full, delta_bytes, world)
         assert n >= 1
-        assert estimated_restore(full, delta_bytes, n, world) <= 1.5 < estimated_restore(full, delta_bytes, n + 1, world)
+        bound = 1 + MAX_EXTRA_RESTORE
+        assert estimated_restore(full, delta_bytes, n, world) <= bound < estimated_restore(full, delta_bytes, n + 1, world)
+    assert MAX_EXTRA_RESTORE == 0.4  # 0.1 under #34's 1.5: the estimate was exceeded by up to 0.12 (benchmarks/README.md)
     # The benchmark's Zipf stream, a save every 50 steps: ~37 MiB of rows a delta (41 MiB with its dense state, which
-    # the bound does not count). The restore benchmark's chains of 16 took 1.47x warm and 1.52x cold: 15 is the policy.
-    assert deltas_before_a_full(2048 * mib, 37 * mib, 2) == 15
-    assert deltas_before_a_full(2048 * mib, 1 * mib, 2) == 33  # tiny deltas: bounded by their count, not their bytes
+    # the bound does not count).
+    assert deltas_before_a_full(2048 * mib, 37 * mib, 2) == 12
+    assert deltas_before_a_full(2048 * mib, 1 * mib, 2) == 26  # tiny deltas: bounded by their count, not their bytes
     assert deltas_before_a_full(36 * mib, 0, 2) == 0  # small tables: a full save is cheap, every save is full
     assert next_delta_budget(0, 0, 0, 2) < 0  # no full save yet
 
 
-def test_asynccheckpoint_counts_a_chain_by_its_delta_files_and_goes_full_before_a_delta_that_would_not_fit(tmp_path):
+def test_asynccheckpoint_counts_a_chain_by_its_delta_files_and_rebases_until_a_full_save_is_cheaper(tmp_path):
     from types import SimpleNamespace
 
     from lightning_ett import AsyncCheckpoint
+    from lightning_ett.checkpoint.chain import Rebase
     from lightning_ett.checkpoint.writer import WriteResult
 
     mib = 1 << 20
@@ -337,19 +345,86 @@ def test_asynccheckpoint_counts_a_chain_by_its_delta_files_and_goes_full_before_
     checkpoint._stager = SimpleNamespace(has_base=True)
     trainer = SimpleNamespace(world_size=2, is_global_zero=True)
 
-    def saved(incremental: bool, total: int, delta_files: int = 0) -> None:
-        checkpoint._count_in_chain(WriteResult(1, tmp_path, 1.0, total, 0.0, incremental=incremental,
-                                               delta_bytes=delta_files))
+    def saved(kind: str, total: int, delta_files: int = 0, since_full: int = 0) -> None:
+        checkpoint._count_in_chain(WriteResult(1, tmp_path, 1.0, total, 0.0, incremental=kind != "F",
+                                               delta_bytes=delta_files, rebased=kind == "R",
+                                               since_full_bytes=since_full))
 
-    saved(False, 2048 * mib)
-    kinds = []
-    for _ in range(18):  # deltas of 37 MiB of rows in 300 MiB checkpoints (their dense state does not count)
-        kinds.append("delta" if checkpoint._delta_due(trainer) else "full")
-        saved(kinds[-1] == "delta", 300 * mib if kinds[-1] == "delta" else 2048 * mib, 37 * mib)
-    assert kinds == ["delta"] * 15 + ["full"] + ["delta"] * 2  # 15 fit in 1.5 full restores; a full save restarts
-    saved(True, 1100 * mib, 1000 * mib)  # an outsized delta (a burst of changed rows)...
-    saved(False, 2048 * mib)
+    saved("F", 2048 * mib)
+    kinds, since = [], 0
+    for _ in range(60):  # deltas of 37 MiB of rows; the rows changed since the full save grow by 15 MiB a save
+        if not checkpoint._delta_due(trainer):
+            kind = "F"
+        elif checkpoint._delta_budget(trainer) >= 37 * mib:
+            kind = "d"
+        else:  # the writer's choice once the delta's rows are known (CheckpointWriter._write_rows)
+            kind = "R" if Rebase(checkpoint._full_bytes, 2).pays(since + 37 * mib, 37 * mib) else "F"
+        since = 0 if kind == "F" else since + (37 if not since else 15) * mib
+        kinds.append(kind)
+        saved(kind, 2048 * mib if kind == "F" else 300 * mib, since if kind == "R" else 37 * mib, since)
+    # 12 deltas fit in 1.4 full restores; then a rebase (the rows since the full save, 202 MiB) instead of a full save
+    # (2 GiB), with room for fewer deltas after it each time, until a full save is the cheaper per save
+    chain = "d" * 12 + "R" + "d" * 8 + "R" + "d" * 6 + "R" + "d" * 4 + "R" + "d" * 3 + "F"  # 38 saves, 1 full
+    assert "".join(kinds) == chain + chain[:22]
+    saved("d", 1100 * mib, 1000 * mib)  # an outsized delta (a burst of changed rows)...
+    saved("F", 2048 * mib)
     assert checkpoint._delta_due(trainer)  # ... says nothing about the next chain
+
+
+def test_a_rebase_holds_every_row_changed_since_the_full_save_builds_on_it_alone_and_restores_exactly(
+        tmp_path, one_rank):
+    from lightning_ett.checkpoint import chain
+    from lightning_ett.checkpoint.chain import Rebase
+
+    saves = Saves(tmp_path)
+    table, opt = torch.zeros(1000, 4), torch.zeros(1000)  # rows of 16 + 8 bytes in a delta, 4 + 8 for the state
+    pays, never = Rebase(1 << 40, 1), Rebase(1, 1)  # a rebase costs nothing next to a huge full save; can't fit a tiny one
+
+    def save(step: int, budget: float | None = None, rebase: Rebase | None = None):  # type: ignore[no-untyped-def]
+        return saves.save(step, {"t": one_shard(table), "s": one_shard(opt)}, budget, rebase)
+
+    def restores_exactly(step: int) -> None:
+        target = {"model": {"t": one_shard(torch.full((1000, 4), -1.0)), "s": one_shard(torch.full((1000,), -1.0))}}
+        chain.load_into(target, tmp_path / fmt.checkpoint_name(step))
+        assert torch.equal(target["model"]["t"].local_shards()[0].tensor, table)
+        assert torch.equal(target["model"]["s"].local_shards()[0].tensor, opt)
+
+    def links(step: int) -> list[str]:
+        return [link["name"] for link in fmt.chain_links(fmt.read_manifest(tmp_path / fmt.checkpoint_name(step),
+                                                                              fmt.FORMAT))]
+
+    assert not save(1).incremental
+    table[0:10] += 1
+    opt[0:10] += 1
+    assert save(2).incremental
+    table[5:15] += 1  # rows 0-14 changed since the full save, 5-14 since the last delta
+    assert save(3).incremental
+    table[100] = 7.0
+    table[1] -= 1  # back to... not the full save's value (row 1 was +1 at step 2): still changed
+    rebased = save(4, budget=10, rebase=pays)  # 2 rows do not fit 10 bytes: a rebase, not a full save
+    assert rebased.incremental and rebased.rebased and not rebased.over_budget
+    assert links(4) == [fmt.checkpoint_name(1)]  # built on the full save alone
+    rows = {key: record.rows.tolist() for record in delta.read(tmp_path / fmt.checkpoint_name(4))
+            for key in [record.key[-1]]}
+    assert rows == {"t": [*range(15), 100], "s": list(range(10))}  # every row changed since step 1, none other
+    assert rebased.since_full_bytes == 16 * (16 + 8) + 10 * (4 + 8)
+    restores_exactly(4)
+    table[900] += 1
+    after = save(5, budget=1e9, rebase=pays)  # the chain goes on from the rebase
+    assert after.incremental and not after.rebased and links(5) == [fmt.checkpoint_name(1), fmt.checkpoint_name(4)]
+    restores_exactly(5)
+    assert [e.step for e in fmt.to_delete(fmt.committed(tmp_path), keep_last_n=1)] == [2, 3]  # no longer needed
+    table[901] += 1
+    full = save(6, budget=10, rebase=never)  # a rebase that would not fit the bound: a full save
+    assert not full.incremental and full.over_budget
+    table[950] += 1
+    assert save(7).incremental
+    table[951] += 1
+    assert save(8, budget=10, rebase=pays).rebased
+    assert links(8) == [fmt.checkpoint_name(6)]
+    rows = [record.rows.tolist() for record in delta.read(tmp_path / fmt.checkpoint_name(8))]
+    assert rows == [[950, 951]]  # since the new full save only (the state 's' has not changed since)
+    restores_exactly(8)
 
 
 def test_a_commit_that_lands_after_the_stager_was_released_marks_no_base(tmp_path, one_rank):

@@ -275,3 +275,28 @@ def test_a_chain_saved_under_row_wise_adagrad_resumes_under_sgd_naming_the_state
     fresh = "was saved with fused_optimizer='sgd', which keeps no state: row_wise_adagrad's embedding optimizer state starts"
     assert (back.stdout + back.stderr).count(fresh) == 1, back.stderr[-3000:]
     assert all(facts["global_step"] == 10 and len(facts["losses"]) == 2 for facts in rank_facts(tmp_path / "back"))
+
+
+#: Saves every step of a model with 20,000-row tables and 16 ids a step, whose chains reach the restore bound in a
+#: few deltas (``--chain-bound``): a full save at 1, deltas 2-5, a rebase at 6 (every row changed since 1), a delta.
+REBASING = ["--async-every", "1", "--incremental", "--when-busy", "wait", "--chain-bound", "0.02", "--rows", "20000",
+            "--batch", "16"]
+
+
+def test_a_rebase_builds_on_the_full_save_alone_and_a_resume_from_its_chain_matches_an_uninterrupted_run(tmp_path):
+    full = run_job(tmp_path / "full", "--max-steps", "11", *REBASING, "--ckpt-dir", str(tmp_path / "full-ckpt"))
+    ckpt = tmp_path / "ckpt"
+    run_job(tmp_path / "first", "--max-steps", "7", *REBASING, "--async-keep", "2", "--ckpt-dir", str(ckpt))
+    assert manifest(step_dir(ckpt, 6))["rebase"] and not manifest(step_dir(ckpt, 7))["rebase"]
+    assert [link["name"] for link in manifest(step_dir(ckpt, 6))["chain"]] == [fmt.checkpoint_name(1)]
+    assert [link["name"] for link in manifest(step_dir(ckpt, 7))["chain"]] == [fmt.checkpoint_name(s) for s in (1, 6)]
+    assert [e.step for e in fmt.committed(ckpt)] == [1, 6, 7]  # keep_last_n=2: 6, 7 and the full save; 2-5 not needed
+    rebase_rows = sum(len(r.global_rows) for r in delta.read(step_dir(ckpt, 6)))
+    delta_rows = sum(len(r.global_rows) for r in delta.read(step_dir(ckpt, 7)))
+    assert rebase_rows > 3 * delta_rows  # the rows of 5 intervals
+    resumed = run_job(tmp_path / "second", "--max-steps", "11", *REBASING, "--async-keep", "2", "--ckpt-dir", str(ckpt))
+    for a, b in zip(full, resumed, strict=True):
+        assert b["global_step"] == 11 and len(b["losses"]) == 4  # resumed at the delta of step 7
+        assert a["losses"][7:] == b["losses"]
+        assert_equal_trees(a["model"], b["model"])
+        assert_equal_trees(a["fused"], b["fused"])  # row-wise AdaGrad's sums

@@ -187,6 +187,10 @@ def main() -> None:
     p.add_argument("--incremental", action="store_true", help="AsyncCheckpoint(incremental=True)")
     p.add_argument("--when-busy", default="skip", help="AsyncCheckpoint(when_busy=...)")
     p.add_argument("--full-every", type=int, default=None, help="AsyncCheckpoint(full_every_n_saves=...)")
+    p.add_argument("--chain-bound", type=float, default=None,
+                   help="test only: chain.MAX_EXTRA_RESTORE and no fixed cost per delta, so that this small model's "
+                        "chains reach their restore bound (and rebase); deltas always pay (save_kind), so the kinds "
+                        "of saves do not depend on timing")
     p.add_argument("--fused-optimizer", default="row_wise_adagrad")
     p.add_argument("--sharding-group-size", type=int, default=None, help="2D: ETTStrategy(sharding_group_size=...)")
     p.add_argument("--async-minutes", type=float, default=None, help="AsyncCheckpoint every_n_minutes into --ckpt-dir")
@@ -206,6 +210,11 @@ def main() -> None:
     args = p.parse_args()
 
     out = Path(args.out)
+    if args.chain_bound is not None:
+        from lightning_ett.checkpoint import chain, save_kind
+
+        chain.MAX_EXTRA_RESTORE, chain.DELTA_OPEN_BYTES_PER_RANK = args.chain_bound, 0
+        save_kind.DELTA_COST_RATIO = float("inf")
     if args.rank1_sharding_type and int(os.environ.get("LOCAL_RANK", "0")) == 1:
         args.sharding_type = args.rank1_sharding_type
     strategy = ETTStrategy(sharding_type=args.sharding_type, plan_cache_dir=args.plan_cache,
