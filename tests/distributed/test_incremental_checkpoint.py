@@ -300,3 +300,34 @@ def test_a_rebase_builds_on_the_full_save_alone_and_a_resume_from_its_chain_matc
         assert a["losses"][7:] == b["losses"]
         assert_equal_trees(a["model"], b["model"])
         assert_equal_trees(a["fused"], b["fused"])  # row-wise AdaGrad's sums
+
+
+def test_a_rebase_chain_under_per_element_adagrad_holds_what_a_full_save_of_the_same_step_holds(tmp_path):
+    # Row-wise tables with state as wide as their rows (as Adam's): full 1, deltas 2-6, a rebase at 7, a delta at 8.
+    out = tmp_path / "job"
+    run_job(out, "--max-steps", "8", *REBASING, "--sharding-type", "row_wise", "--fused-optimizer", "adagrad",
+            "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "8")
+    assert manifest(step_dir(out / "ckpt", 7))["rebase"]
+    assert [link["name"] for link in manifest(step_dir(out / "ckpt", 8))["chain"]] == [
+        fmt.checkpoint_name(s) for s in (1, 7)]
+    assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 8))) >= 8
+
+
+def test_2d_a_rebase_writes_each_row_once_per_shard_and_its_chain_holds_what_a_full_save_holds(tmp_path):
+    # 4 ranks, groups of 2, row-wise: full 1, deltas 2-4, a rebase at 5, a delta at 6 (a looser bound: 4 ranks'
+    # deltas are larger next to the full save).
+    out = tmp_path / "2d"
+    proc = launch(str(SCRIPTS / "ett_job.py"), "--out", str(out), "--devices", "4", "--max-steps", "6",
+                  "--sharding-type", "row_wise", "--sharding-group-size", "2", *REBASING, "--chain-bound", "0.04",
+                  "--ckpt-dir", str(out / "ckpt"), "--sync-ref-at", "6", run_dir=out / "ett", devices=4, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert manifest(step_dir(out / "ckpt", 5))["rebase"]
+    assert [link["name"] for link in manifest(step_dir(out / "ckpt", 6))["chain"]] == [
+        fmt.checkpoint_name(s) for s in (1, 5)]
+    assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 6))) >= 12
+    written: set[tuple] = set()  # once per shard: no row of a tensor's column block is in two ranks' files
+    for record in delta.read(step_dir(out / "ckpt", 5)):
+        for row in record.global_rows.tolist():
+            assert (record.key, record.offsets[1:], row) not in written, (record.key, row)
+            written.add((record.key, record.offsets[1:], row))
+    assert written
