@@ -164,8 +164,13 @@ def assert_2d_chain_equals_its_full_save(out: Path, sharding_type: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert manifest(step_dir(out / "ckpt", 7))["kind"] == "delta"
     assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 7))) >= 12
-    written: set[tuple] = set()  # once per shard: no row of a tensor's column block is in two ranks' files
-    for record in delta.read(step_dir(out / "ckpt", 7)):
+    assert_each_row_written_once_per_shard(step_dir(out / "ckpt", 7))
+
+
+def assert_each_row_written_once_per_shard(checkpoint: Path) -> None:
+    """No row of a tensor's column block is in two ranks' files (2D replicas write their shard once)."""
+    written: set[tuple] = set()
+    for record in delta.read(checkpoint):
         for row in record.global_rows.tolist():
             assert (record.key, record.offsets[1:], row) not in written, (record.key, row)
             written.add((record.key, record.offsets[1:], row))
@@ -325,9 +330,4 @@ def test_2d_a_rebase_writes_each_row_once_per_shard_and_its_chain_holds_what_a_f
     assert [link["name"] for link in manifest(step_dir(out / "ckpt", 6))["chain"]] == [
         fmt.checkpoint_name(s) for s in (1, 5)]
     assert assert_equal_trees(whole(out / "ref"), whole(step_dir(out / "ckpt", 6))) >= 12
-    written: set[tuple] = set()  # once per shard: no row of a tensor's column block is in two ranks' files
-    for record in delta.read(step_dir(out / "ckpt", 5)):
-        for row in record.global_rows.tolist():
-            assert (record.key, record.offsets[1:], row) not in written, (record.key, row)
-            written.add((record.key, record.offsets[1:], row))
-    assert written
+    assert_each_row_written_once_per_shard(step_dir(out / "ckpt", 5))
