@@ -656,7 +656,8 @@ class AsyncCheckpoint(Checkpoint):
         if result is None:
             return
         self._best_model_path = str(result.path)
-        get_timeline().fact(CHECKPOINT_FACT, step=result.step, path=str(result.path), incremental=result.incremental)
+        get_timeline().fact(CHECKPOINT_FACT, step=result.step, path=str(result.path), incremental=result.incremental,
+                            rebase=result.rebased)
         blocked = result.blocked_s
         metrics = {"checkpoint/write_s": result.seconds, "checkpoint/blocked_s": blocked,
                    "checkpoint/staging_bytes": float(self._stager.nbytes), "checkpoint/bytes": float(result.bytes),
@@ -672,7 +673,8 @@ class AsyncCheckpoint(Checkpoint):
         # (settle's wait is in a timed step already; a fit's first save allocates the buffers: once a fit, not a save)
         cost = self.cadence.observe_save(result.boundary_s, result.seconds, typical=result.step != self._first_step)
         metrics["checkpoint/save_cost_s"] = cost
-        if self.incremental and self.full_every_n_saves is None and result.step != self._final_step:
+        if self.incremental and self.full_every_n_saves is None and result.step != self._final_step \
+                and not result.rebased:  # (a rebase holds many intervals' rows: no delta's cost, nor a full save's)
             # (the last save of a fit has no steps after it to slow down: its cost would read as blocked time alone)
             typical = not result.over_budget and result.step != self._first_step
             why = self._kinds.observe(result.incremental, cost, outgrew_bound, typical)

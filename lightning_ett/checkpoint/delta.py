@@ -219,6 +219,7 @@ class RowsSinceFull:
         self._masks, self.valid = {}, True
 
     def invalidate(self) -> None:
+        """Not kept up (no rebase is asked for): only the next committed full save makes it answer again."""
         self._masks, self.valid = {}, False
 
     def mark(self, key: KeyPath, offsets: tuple[int, ...], shard: torch.Tensor, rows: torch.Tensor) -> None:

@@ -20,7 +20,9 @@ An *incremental* checkpoint (``AsyncCheckpoint(incremental=True)``) holds the de
 full and, in ``delta-rank<r>.pt``, only the rows of the sharded tensors that changed since the
 previous checkpoint (:mod:`lightning_ett.checkpoint.delta`), and in ``delta-index.json`` where each
 rank's file's rows lie (a restore opens only the files it needs). Its manifest names its *chain*:
-the full checkpoint it builds on and every delta between, each with its commit number. It is
+the full checkpoint it builds on and every delta between, each with its commit number; a *rebase*
+(every row changed since the full save) builds on the full save alone, so the chain of a delta
+after it is the full save, the rebase and the deltas between. It is
 complete only if every member of its chain is still there, unchanged (same commit number) and
 complete itself: a corrupt or missing delta makes every later one of its chain incomplete, so
 resuming falls back to the newest valid prefix, and retention never deletes a member of a kept
@@ -106,6 +108,7 @@ class CheckpointEntry:
     step: int
     seq: int  # commit number: later commits are newer, whatever their step
     chain: tuple[str, ...] = ()  # an incremental checkpoint's: the names it needs to be restored
+    rebase: bool = False  # a rebase: every row changed since its chain's full save
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
@@ -119,7 +122,8 @@ def committed(root: Path) -> list[CheckpointEntry]:
             fields = read_manifest(d, FORMAT) or {}
             seq = fields.get("seq")
             entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0,
-                                           tuple(link["name"] for link in chain_links(fields))))
+                                           tuple(link["name"] for link in chain_links(fields)),
+                                           bool(fields.get("rebase"))))
     return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
@@ -145,24 +149,29 @@ def to_delete(entries: list[CheckpointEntry], keep_last_n: int | None) -> list[C
     checkpoint ModelPublisher has pinned (:data:`PIN_FILE`) stays until it is unpinned, and so
     does every checkpoint a kept one is built on (its full save and the deltas between).
 
-    With ``keep_last_n >= 2`` the kept checkpoints rest on at least two full saves, as that many
-    full saves would: when the newest ones are all deltas of one full save, the newest checkpoint
-    of the chain before stays too, so one damaged full save never leaves nothing to resume from.
+    With ``keep_last_n >= 2`` the kept checkpoints rest on at least two *bases* (full saves or
+    rebases), as that many full saves would: when the newest ones all rest on one base, the newest
+    checkpoint resting on another stays too (with its chain), so one damaged full save or rebase
+    sends a resume back one save, not to the start of the chain.
     """
     if keep_last_n is None:
         return []
+    rebases = {e.path.name for e in entries if e.rebase}
     kept = entries[-keep_last_n:] + [e for e in entries[:-keep_last_n] if (e.path / PIN_FILE).exists()]
     if keep_last_n >= 2:
-        base = _base(entries[-1])
-        if all(_base(e) == base for e in entries[-keep_last_n:]):
-            kept += [e for e in reversed(entries[:-keep_last_n]) if _base(e) != base][:1]
+        base = _base(entries[-1], rebases)
+        if all(_base(e, rebases) == base for e in entries[-keep_last_n:]):
+            kept += [e for e in reversed(entries[:-keep_last_n]) if _base(e, rebases) != base][:1]
     needed = {e.path.name for e in kept} | {name for e in kept for name in e.chain}
     return [e for e in entries[:-keep_last_n] if e.path.name not in needed]
 
 
-def _base(entry: CheckpointEntry) -> str:
-    """The full save a checkpoint is restored from: its chain's first, or itself."""
-    return entry.chain[0] if entry.chain else entry.path.name
+def _base(entry: CheckpointEntry, rebases: set[str]) -> str:
+    """The nearest checkpoint whose damage would make ``entry`` unusable: the newest rebase of its chain (or
+    itself, a rebase), else its full save (or itself, a full one)."""
+    if entry.rebase or not entry.chain:
+        return entry.path.name
+    return next((name for name in reversed(entry.chain) if name in rebases), entry.chain[0])
 
 
 def looks_like_checkpoint(path: str | os.PathLike) -> bool:

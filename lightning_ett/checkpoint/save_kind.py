@@ -26,6 +26,8 @@ import statistics
 from collections import deque
 from typing import Any
 
+from lightning_ett.checkpoint.chain import MAX_EXTRA_RESTORE
+
 #: A delta must cost under this share of a full save to continue the chain: within 20 % the delta buys
 #: little and still lengthens the chain a restore reads (and one noisy reading must not decide it).
 DELTA_COST_RATIO = 0.8
@@ -56,8 +58,9 @@ class SaveKindChooser:
         if outgrew_bound:
             self._fulls_to_go = self._back_off()
             return ("the rows changed since the last save alone outgrew the chain's restore bound (a chain is kept "
-                    "to what restores in 1.4 full restores: its deltas' bytes plus a fixed cost per delta and rank), "
-                    f"so the next {self._fulls_to_go} saves are full without comparing rows, then a delta is tried again")
+                    f"to what restores in {1 + MAX_EXTRA_RESTORE:.1f} full restores: its deltas' bytes plus a fixed "
+                    f"cost per delta and rank), so the next {self._fulls_to_go} saves are full without comparing rows, "
+                    "then a delta is tried again")
         if not incremental:
             if typical:
                 self._full_costs.append(max(cost_s, 0.0))

@@ -343,8 +343,11 @@ class CheckpointWriter:
         records: list[Any] = []
         nbytes, since_bytes, rows, sums, spans = 0, -1, (0, 0), {}, []
         state = snapshot.state["dcp"]
+        if rebase is None:
+            self._since_full.invalidate()  # no rebase asked for (full_every_n_saves): no marks kept, none trusted
         try:
-            records, changed, compared = delta.diff(state, snapshot.previous or {}, self._since_full)
+            records, changed, compared = delta.diff(state, snapshot.previous or {},
+                                                    self._since_full if rebase is not None else None)
             nbytes, rows = delta.records_nbytes(records), (changed, compared)
             since_bytes = self._since_full.nbytes(state) if self._since_full.valid else -1
         except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
@@ -358,6 +361,7 @@ class CheckpointWriter:
             if rebase is None or since_total < 0 or not rebase.pays(since_total, total):
                 return False, (0, 0), {}, None  # the chain would outgrow its bound: this save is full (on every rank)
             rebased = True  # every row changed since the full save, built on it alone: the chain restarts short
+            records = []  # the interval's rows, freed before the rebase's are gathered (peak: one set, not two)
             try:
                 records = self._since_full.records(state)
                 nbytes = delta.records_nbytes(records)

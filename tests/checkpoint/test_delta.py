@@ -257,7 +257,7 @@ def test_rows_over_the_budget_make_the_save_full_and_a_mostly_changed_shard_is_w
     assert record.rows is None and torch.equal(record.values, table)
 
 
-def commit(root: Path, step: int, seq: int, chain: list[tuple[int, int]] = ()) -> Path:
+def commit(root: Path, step: int, seq: int, chain: list[tuple[int, int]] = (), rebase: bool = False) -> Path:
     final = root / fmt.checkpoint_name(step)
     tmp = temp_path(final)
     tmp.mkdir(parents=True)
@@ -265,7 +265,7 @@ def commit(root: Path, step: int, seq: int, chain: list[tuple[int, int]] = ()) -
     torch.save({"global_step": step}, tmp / fmt.META_FILE)
     fields = {"global_step": step, "time": time.time(), "seq": seq}
     if chain:
-        fields.update(kind="delta", chain=[{"name": fmt.checkpoint_name(s), "seq": q} for s, q in chain])
+        fields.update(kind="delta", chain=[{"name": fmt.checkpoint_name(s), "seq": q} for s, q in chain], rebase=rebase)
     commit_directory(tmp, final, fmt.FORMAT, fields)
     return final
 
@@ -292,6 +292,25 @@ def test_retention_keeps_every_checkpoint_a_kept_delta_builds_on(tmp_path):
     (tmp_path / fmt.checkpoint_name(12) / "__0_0.distcp").write_bytes(b"tensor bytez")  # the newest full save damaged
     with pytest.warns(UserWarning, match="step-000000012"):
         assert fmt.newest_complete(tmp_path) == tmp_path / fmt.checkpoint_name(10)  # what keep_last_n=2 kept
+
+
+def test_retention_with_two_or_more_kept_rests_on_two_bases_when_a_rebase_cut_the_chain(tmp_path):
+    # F(1) d(2) d(3) R(4: on 1) d(5: on 1, 4) d(6): a damaged rebase must send a resume back to 3, not to 1.
+    commit(tmp_path, 1, 1)
+    commit(tmp_path, 2, 2, [(1, 1)])
+    commit(tmp_path, 3, 3, [(1, 1), (2, 2)])
+    commit(tmp_path, 4, 4, [(1, 1)], rebase=True)
+    commit(tmp_path, 5, 5, [(1, 1), (4, 4)])
+    commit(tmp_path, 6, 6, [(1, 1), (4, 4), (5, 5)])
+    entries = fmt.committed(tmp_path)
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=1)] == [2, 3]  # 6 needs 1, 4 and 5 only
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=3)] == []  # 4-6 rest on the rebase: 3 stays, with 2
+    (tmp_path / fmt.checkpoint_name(4) / "__0_0.distcp").write_bytes(b"tensor bytez")  # the rebase damaged
+    with pytest.warns(UserWarning, match="step-000000004"):
+        assert fmt.newest_complete(tmp_path) == tmp_path / fmt.checkpoint_name(3)
+    commit(tmp_path, 7, 7, [(1, 1)], rebase=True)  # the next rebase: 5 and 6 (on the previous one) are the fallback
+    entries = fmt.committed(tmp_path)
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [2, 3]  # 6 and 7: two bases; 6 needs 1, 4, 5
 
 
 def test_a_delta_whose_base_was_replaced_or_deleted_is_not_complete_and_says_which(tmp_path):
@@ -380,7 +399,7 @@ def test_a_rebase_holds_every_row_changed_since_the_full_save_builds_on_it_alone
     table, opt = torch.zeros(1000, 4), torch.zeros(1000)  # rows of 16 + 8 bytes in a delta, 4 + 8 for the state
     pays, never = Rebase(1 << 40, 1), Rebase(1, 1)  # a rebase costs nothing next to a huge full save; can't fit a tiny one
 
-    def save(step: int, budget: float | None = None, rebase: Rebase | None = None):  # type: ignore[no-untyped-def]
+    def save(step: int, budget: float | None = None, rebase: Rebase | None = pays):  # type: ignore[no-untyped-def]
         return saves.save(step, {"t": one_shard(table), "s": one_shard(opt)}, budget, rebase)
 
     def restores_exactly(step: int) -> None:
@@ -425,6 +444,12 @@ def test_a_rebase_holds_every_row_changed_since_the_full_save_builds_on_it_alone
     rows = [record.rows.tolist() for record in delta.read(tmp_path / fmt.checkpoint_name(8))]
     assert rows == [[950, 951]]  # since the new full save only (the state 's' has not changed since)
     restores_exactly(8)
+    table[952] += 1
+    assert save(9, rebase=None).incremental  # no rebase asked for (full_every_n_saves): the rows are not kept...
+    table[953] += 1
+    cut = save(10, budget=10, rebase=pays)
+    assert not cut.incremental and not cut.rebased  # ... so the next rebase cannot be trusted: a full save
+    restores_exactly(10)
 
 
 def test_a_commit_that_lands_after_the_stager_was_released_marks_no_base(tmp_path, one_rank):
