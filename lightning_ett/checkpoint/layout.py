@@ -109,6 +109,7 @@ class CheckpointEntry:
     seq: int  # commit number: later commits are newer, whatever their step
     chain: tuple[str, ...] = ()  # an incremental checkpoint's: the names it needs to be restored
     rebase: bool = False  # a rebase: every row changed since its chain's full save
+    chain_seqs: tuple[int, ...] = ()  # the commit number of each member of ``chain``
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
@@ -123,7 +124,8 @@ def committed(root: Path) -> list[CheckpointEntry]:
             seq = fields.get("seq")
             entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0,
                                            tuple(link["name"] for link in chain_links(fields)),
-                                           bool(fields.get("rebase"))))
+                                           bool(fields.get("rebase")),
+                                           tuple(link["seq"] for link in chain_links(fields))))
     return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
@@ -149,21 +151,32 @@ def to_delete(entries: list[CheckpointEntry], keep_last_n: int | None) -> list[C
     checkpoint ModelPublisher has pinned (:data:`PIN_FILE`) stays until it is unpinned, and so
     does every checkpoint a kept one is built on (its full save and the deltas between).
 
-    With ``keep_last_n >= 2`` the kept checkpoints rest on at least two *bases* (full saves or
-    rebases), as that many full saves would: when the newest ones all rest on one base, the newest
-    checkpoint resting on another stays too (with its chain), so one damaged full save or rebase
-    sends a resume back one save, not to the start of the chain.
+    With ``keep_last_n >= 2`` the kept checkpoints rest on at least two full saves, as that many full
+    saves would, and on two *bases* (full saves or rebases): when the newest ones all rest on one full
+    save, the newest checkpoint resting on another stays too (with its chain), and likewise for one
+    base, so one damaged full save or rebase never leaves nothing, and a damaged rebase sends a resume
+    back one save. Only a checkpoint whose chain is still there (every member with the commit number it
+    names: not one of a line a roll-back replaced) is kept for that.
     """
     if keep_last_n is None:
         return []
     rebases = {e.path.name for e in entries if e.rebase}
     kept = entries[-keep_last_n:] + [e for e in entries[:-keep_last_n] if (e.path / PIN_FILE).exists()]
     if keep_last_n >= 2:
-        base = _base(entries[-1], rebases)
-        if all(_base(e, rebases) == base for e in entries[-keep_last_n:]):
-            kept += [e for e in reversed(entries[:-keep_last_n]) if _base(e, rebases) != base][:1]
+        seqs = {e.path.name: e.seq for e in entries}
+        older = [e for e in reversed(entries[:-keep_last_n])
+                 if all(seqs.get(name) == seq for name, seq in zip(e.chain, e.chain_seqs, strict=False))]
+        for base_of in (_full_save, lambda e: _base(e, rebases)):
+            base = base_of(entries[-1])
+            if all(base_of(e) == base for e in entries[-keep_last_n:]):
+                kept += [e for e in older if base_of(e) != base][:1]
     needed = {e.path.name for e in kept} | {name for e in kept for name in e.chain}
     return [e for e in entries[:-keep_last_n] if e.path.name not in needed]
+
+
+def _full_save(entry: CheckpointEntry) -> str:
+    """The full save a checkpoint is restored from: its chain's first, or itself."""
+    return entry.chain[0] if entry.chain else entry.path.name
 
 
 def _base(entry: CheckpointEntry, rebases: set[str]) -> str:

@@ -311,6 +311,31 @@ def test_retention_with_two_or_more_kept_rests_on_two_bases_when_a_rebase_cut_th
     commit(tmp_path, 7, 7, [(1, 1)], rebase=True)  # the next rebase: 5 and 6 (on the previous one) are the fallback
     entries = fmt.committed(tmp_path)
     assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [2, 3]  # 6 and 7: two bases; 6 needs 1, 4, 5
+    # A new full save (8), a delta, a rebase (10) and deltas: the newest rest on 10 and on 8, so both the newest
+    # checkpoint on another base (9) and the newest on another full save (7, on 1) stay: a damaged 8 is no dead end.
+    commit(tmp_path, 8, 8)
+    commit(tmp_path, 9, 9, [(8, 8)])
+    commit(tmp_path, 10, 10, [(8, 8)], rebase=True)
+    commit(tmp_path, 11, 11, [(8, 8), (10, 10)])
+    entries = fmt.committed(tmp_path)
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [2, 3, 4, 5, 6]  # 7 (needs 1) and 9 stay
+    (tmp_path / fmt.checkpoint_name(8) / "__0_0.distcp").write_bytes(b"tensor bytez")
+    with pytest.warns(UserWarning, match="step-000000008"):
+        assert fmt.newest_complete(tmp_path) == tmp_path / fmt.checkpoint_name(7)
+
+
+def test_retention_falls_back_only_to_a_line_whose_chain_is_still_there(tmp_path):
+    # A roll-back (fit from an older checkpoint into the same directory) replaced full save 2: the old line's rebase 4
+    # and delta 6 name the old 2 (commit 3) and are dead; retention keeps 3 (on full save 1) as the fallback instead.
+    commit(tmp_path, 1, 1)
+    commit(tmp_path, 3, 2, [(1, 1)])
+    commit(tmp_path, 2, 3)
+    commit(tmp_path, 4, 4, [(2, 3)], rebase=True)
+    commit(tmp_path, 6, 5, [(2, 3), (4, 4)])
+    commit(tmp_path, 2, 6)  # the roll-back's new full save 2 (commit 6), and its delta
+    commit(tmp_path, 5, 7, [(2, 6)])
+    entries = fmt.committed(tmp_path)
+    assert [e.step for e in fmt.to_delete(entries, keep_last_n=2)] == [4, 6]  # 1 and 3 stay: a full save of its own
 
 
 def test_a_delta_whose_base_was_replaced_or_deleted_is_not_complete_and_says_which(tmp_path):
