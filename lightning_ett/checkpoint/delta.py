@@ -180,7 +180,7 @@ def diff(current: dict[str, Any], previous: dict[int, Any], since_full: RowsSinc
         before = previous[id(leaf)]
         for (now, offsets), (then, _) in zip(shards_with_offsets(leaf), shards_with_offsets(before), strict=True):
             rows = changed_rows(now, then)
-            compared += now.shape[0] if now.dim() else 1
+            compared += _row_count(now)
             if since_full is not None:
                 since_full.mark(key, offsets, now, rows)
             if rows.numel():
@@ -191,10 +191,27 @@ def diff(current: dict[str, Any], previous: dict[int, Any], since_full: RowsSinc
 
 def _record(key: KeyPath, offsets: tuple[int, ...], now: torch.Tensor, rows: torch.Tensor) -> RowRecord:
     """The rows ``rows`` (local, sorted) of the shard ``now``; the shard whole when that is smaller (no gather)."""
-    n = now.shape[0] if now.dim() else 1
-    if rows.numel() * (_row_bytes(now) + 8) >= n * _row_bytes(now):
+    if _gathered_nbytes(now, rows.numel()) >= _whole_nbytes(now):
         return RowRecord(key, offsets, None, now)
     return RowRecord(key, offsets, rows + offsets[0], now[rows])
+
+
+def _record_nbytes(shard: torch.Tensor, rows: int) -> int:
+    """What :func:`_record` of ``rows`` rows of ``shard`` holds (:attr:`RowRecord.nbytes`), without building it."""
+    return min(_gathered_nbytes(shard, rows), _whole_nbytes(shard))
+
+
+def _gathered_nbytes(shard: torch.Tensor, rows: int) -> int:
+    """``rows`` rows gathered, with their numbers."""
+    return rows * (_row_bytes(shard) + 8)
+
+
+def _whole_nbytes(shard: torch.Tensor) -> int:
+    return _row_count(shard) * _row_bytes(shard)
+
+
+def _row_count(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() else 1
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -223,7 +240,7 @@ class RowsSinceFull:
         self._masks, self.valid = {}, False
 
     def mark(self, key: KeyPath, offsets: tuple[int, ...], shard: torch.Tensor, rows: torch.Tensor) -> None:
-        n = shard.shape[0] if shard.dim() else 1
+        n = _row_count(shard)
         mask = self._masks.get((key, offsets))
         if mask is None or mask.numel() != n:
             if mask is not None:
@@ -233,22 +250,19 @@ class RowsSinceFull:
 
     def nbytes(self, current: dict[str, Any]) -> int:
         """What :meth:`records` of ``current`` would hold, without gathering them."""
-        total = 0
-        for key, leaf in sharded_leaves(current):
-            for now, offsets in shards_with_offsets(leaf):
-                if (mask := self._masks.get((key, offsets))) is not None and (k := int(mask.sum())):
-                    n = now.shape[0] if now.dim() else 1
-                    total += min(k * (_row_bytes(now) + 8), n * _row_bytes(now))  # as :func:`_record` chooses
-        return total
+        return sum(_record_nbytes(now, int(mask.sum())) for _, _, now, mask in self._marked(current))
 
     def records(self, current: dict[str, Any]) -> list[RowRecord]:
         """The rows of ``current`` changed since the full save (as :func:`diff` writes records)."""
-        out = []
+        return [_record(key, offsets, now, torch.nonzero(mask).flatten())
+                for key, offsets, now, mask in self._marked(current) if mask.any()]
+
+    def _marked(self, current: dict[str, Any]) -> Iterator[tuple[KeyPath, tuple[int, ...], torch.Tensor, torch.Tensor]]:
+        """(key path, offsets, shard, its mask) of every shard of ``current`` with marks."""
         for key, leaf in sharded_leaves(current):
             for now, offsets in shards_with_offsets(leaf):
-                if (mask := self._masks.get((key, offsets))) is not None and mask.any():
-                    out.append(_record(key, offsets, now, torch.nonzero(mask).flatten()))
-        return out
+                if (mask := self._masks.get((key, offsets))) is not None:
+                    yield key, offsets, now, mask
 
 
 def write(records: list[RowRecord], directory: Path, rank: int) -> dict[str, tuple[int, int]]:

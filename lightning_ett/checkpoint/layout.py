@@ -121,11 +121,10 @@ def committed(root: Path) -> list[CheckpointEntry]:
         m = _NAME.match(d.name)
         if m and d.is_dir() and (d / MANIFEST_FILE).is_file():
             fields = read_manifest(d, FORMAT) or {}
-            seq = fields.get("seq")
+            seq, links = fields.get("seq"), chain_links(fields)
             entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0,
-                                           tuple(link["name"] for link in chain_links(fields)),
-                                           bool(fields.get("rebase")),
-                                           tuple(link["seq"] for link in chain_links(fields))))
+                                           tuple(link["name"] for link in links), bool(fields.get("rebase")),
+                                           tuple(link["seq"] for link in links)))
     return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
@@ -165,7 +164,7 @@ def to_delete(entries: list[CheckpointEntry], keep_last_n: int | None) -> list[C
     if keep_last_n >= 2:
         seqs = {e.path.name: e.seq for e in entries}
         older = [e for e in reversed(entries[:-keep_last_n])
-                 if all(seqs.get(name) == seq for name, seq in zip(e.chain, e.chain_seqs, strict=False))]
+                 if all(seqs.get(name) == seq for name, seq in zip(e.chain, e.chain_seqs, strict=True))]
         for base_of in (_full_save, lambda e: _base(e, rebases)):
             base = base_of(entries[-1])
             if all(base_of(e) == base for e in entries[-keep_last_n:]):
