@@ -312,6 +312,7 @@ def print_ratios(arms: dict[str, list[Result]], suffix: str = "", training_speed
 def print_runs(arms: dict[str, list[Result]]) -> None:
     for name, results in arms.items():
         print(f"every run, {name}: " + "; ".join(
+            f"wall {x.summary.wall_s:.2f}/{x.probe_wall_s:.2f}s train {x.summary.effective_s:.2f}s "
             f"overhead {x.overhead_s:.2f}/{x.probe_overhead_s:.2f}s ETT {x.summary.ett_percent:.1f}% lost "
             f"{x.lost_steps} steps" for x in results))
 
