@@ -328,6 +328,7 @@ def main() -> None:
     p.add_argument("--failure-every-s", type=float, default=150.0, help="long: seconds of training between failures")
     p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (same minutes, ~15 min more)")
     p.add_argument("--keep", default=None, help="keep the runs (logs, ledgers) under DIR")
+    p.add_argument("--arms", default=None, help="long: run only these arms (comma-separated names, e.g. vanilla)")
     args = p.parse_args()
 
     with contextlib.ExitStack() as stack:
@@ -340,14 +341,18 @@ def main() -> None:
             rounds = args.rounds or 1
             print(f"== job long: the user job, ~{args.minutes:g} min of training, a failure every "
                   f"{args.failure_every_s:g} s, {rounds} round(s)", flush=True)
-            arms = run_rounds(tmp, long_units(tmp, args.minutes, args.failure_every_s, args.with_vanilla), rounds)
+            units = long_units(tmp, args.minutes, args.failure_every_s, args.with_vanilla or "vanilla" in (args.arms or ""))
+            if args.arms:  # e.g. vanilla alone, in a run of its own (its ETT % is a share of its own wall)
+                units = [u for u in units if u[0][0] in args.arms.split(",")]
+            arms = run_rounds(tmp, units, rounds)
             print_table(arms, rounds)
             print_runs(arms)
             for name, results in arms.items():
                 ett = statistics.median(x.summary.ett_percent for x in results)
                 goal = f" (goal >= {LONG_GOAL:g}: {'met' if ett >= LONG_GOAL else 'NOT met'})" if name == "pack" else ""
                 print(f"long job ETT %, {name}: {ett:.1f}{goal}")
-            print_ratios(arms, training_speed=False)  # vanilla ran other steps: no like-for-like speed ratio
+            if "pack" in arms and BASE in arms:
+                print_ratios(arms, training_speed=False)  # vanilla ran other steps: no like-for-like speed ratio
             return
         cfg = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in DEFAULTS[args.job].items()}
         dlrm_only = ["--no-dynamic-shapes"] if args.job == "dlrm" else []  # identical compiled work in every arm
