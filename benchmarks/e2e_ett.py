@@ -32,7 +32,7 @@ Jobs:
   (26 tables x 20,000 x 16, batch 512, dense parts compiled). Each arm runs a **first job** and
   then a **recurring job** of the same model on the same host: the recurring job keeps the
   inductor directory (and, pack, the CompileCache directory) its first job left.
-* ``--job long`` (the user job, ~10 minutes of the pack's training, 1 round): a calibration run
+* ``--job long`` (the user job, ~10 minutes of the pack's training, 3 rounds, ~85 min): a calibration run
   of same-training measures the step time and a synchronous save's cost ``C``; the job gets
   ``--minutes`` of steps and a failure every ``--failure-every-s`` seconds of training (rank 1
   killed at the same steps in the pack and same-training). same-training saves every
@@ -323,10 +323,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default: dlrm 600, user 300")
     p.add_argument("--every", type=int, default=None, help="checkpoint interval in steps; default: dlrm 100, user 15")
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step; default: dlrm 350, user 180")
-    p.add_argument("--rounds", type=int, default=None, help="default: 3 (long: 1)")
+    p.add_argument("--rounds", type=int, default=None, help="default: 3")
     p.add_argument("--minutes", type=float, default=10.0, help="long: minutes of the pack's training")
     p.add_argument("--failure-every-s", type=float, default=150.0, help="long: seconds of training between failures")
-    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (same minutes, ~15 min more)")
+    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (~15 min more a round)")
     p.add_argument("--keep", default=None, help="keep the runs (logs, ledgers) under DIR")
     p.add_argument("--arms", default=None, help="long: run only these arms (comma-separated names, e.g. vanilla)")
     args = p.parse_args()
@@ -338,7 +338,7 @@ def main() -> None:
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.job == "long":
-            rounds = args.rounds or 1
+            rounds = args.rounds or 3
             print(f"== job long: the user job, ~{args.minutes:g} min of training, a failure every "
                   f"{args.failure_every_s:g} s, {rounds} round(s)", flush=True)
             units = long_units(tmp, args.minutes, args.failure_every_s, args.with_vanilla or "vanilla" in (args.arms or ""))
