@@ -39,7 +39,8 @@ Jobs:
   ``sqrt(2 C MTBF)`` seconds (Young/Daly from the calibration, MTBF = the failure interval); the
   pack uses ``every_n_train_steps="auto"`` with the same MTBF. ``--with-vanilla`` adds vanilla on
   the same minutes of training and failure interval, from its own calibration (its steps are ~6x
-  slower: the same steps would take ~1 h), at its own Young/Daly interval. Goal: pack ETT >= 90 %.
+  slower: the same steps would take ~1 h), at its own Young/Daly interval; ``--arms vanilla`` runs it alone.
+  Goal: pack ETT >= 90 %.
 
 Two clocks: **ledger** (each arm's ETTMonitor ledger; the torchrun arms' clock starts at this
 script's first launch and ends when their last process exited, as the pack launcher's does)
@@ -338,6 +339,9 @@ def main() -> None:
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.job == "long":
+            unknown = sorted(set((args.arms or "vanilla").split(",")) - {"vanilla", BASE, "pack", AA})
+            if unknown:
+                p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; the long job's: vanilla, {BASE}, pack, {AA}")
             rounds = args.rounds or 3
             print(f"== job long: the user job, ~{args.minutes:g} min of training, a failure every "
                   f"{args.failure_every_s:g} s, {rounds} round(s)", flush=True)
