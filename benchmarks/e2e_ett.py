@@ -327,7 +327,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="default: 3")
     p.add_argument("--minutes", type=float, default=10.0, help="long: minutes of the pack's training")
     p.add_argument("--failure-every-s", type=float, default=150.0, help="long: seconds of training between failures")
-    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (~15 min more a round)")
+    p.add_argument("--with-vanilla", action="store_true", help="long: add vanilla (~11 min more a round)")
     p.add_argument("--keep", default=None, help="keep the runs (logs, ledgers) under DIR")
     p.add_argument("--arms", default=None, help="long: run only these arms (comma-separated names, e.g. vanilla)")
     args = p.parse_args()
