@@ -339,15 +339,16 @@ def main() -> None:
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.job == "long":
-            unknown = sorted(set((args.arms or "vanilla").split(",")) - {"vanilla", BASE, "pack", AA})
+            wanted = set(args.arms.split(",")) if args.arms else None
+            unknown = sorted((wanted or set()) - {"vanilla", BASE, "pack", AA})
             if unknown:
                 p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; the long job's: vanilla, {BASE}, pack, {AA}")
             rounds = args.rounds or 3
             print(f"== job long: the user job, ~{args.minutes:g} min of training, a failure every "
                   f"{args.failure_every_s:g} s, {rounds} round(s)", flush=True)
-            units = long_units(tmp, args.minutes, args.failure_every_s, args.with_vanilla or "vanilla" in (args.arms or ""))
-            if args.arms:  # e.g. vanilla alone, in a run of its own (its ETT % is a share of its own wall)
-                units = [u for u in units if u[0][0] in args.arms.split(",")]
+            units = long_units(tmp, args.minutes, args.failure_every_s, args.with_vanilla or "vanilla" in (wanted or ()))
+            if wanted:  # e.g. vanilla alone, in a run of its own (its ETT % is a share of its own wall)
+                units = [u for u in units if u[0][0] in wanted]
             arms = run_rounds(tmp, units, rounds)
             print_table(arms, rounds)
             print_runs(arms)
