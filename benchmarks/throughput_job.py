@@ -13,7 +13,9 @@ table-wise sharding, row-wise Adagrad fused into backward for the tables and Ada
   current batch trains;
 
 Rank 0 writes the time per step to OUT: the total time over the steps after the warm-up divided by
-their number (so periodic costs count), and the median step for reference.
+their number (so periodic costs count), and the median step for reference. With ``--phases`` it adds
+where that time went (:class:`PhaseClock`); ``--no-log`` and ``--no-monitor`` (Lightning arms) drop the
+``self.log`` call and ETTMonitor, to size what each costs (``throughput_phases.py``).
 """
 
 from __future__ import annotations
@@ -63,8 +65,73 @@ class Profiler:
             self.profile.dump_stats(str(self.out))
 
 
+class PhaseClock:
+    """Wall time per step in each phase of a loop, from ``perf_counter`` around the functions the loop calls.
+
+    cProfile (``--profile``) slows Python ~5x and was seen to double a C++ op's own time in one arm
+    only, so the per-phase split is taken this way: a wrapper costs ~1 us a call, ~15 calls a step.
+    Phases are disjoint; ``other`` is the step time left over (the loop's own code). Counted over the
+    same steps as the step time (after the warm-up stamp, up to the last).
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.armed = False
+
+    def wrap(self, owner: object, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            if not self.armed:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def common(self) -> None:
+        """The phases both loops have: the model's forward (with its input and output all-to-all waits),
+        backward, the dense optimizer's update and zero_grad."""
+        import torch.optim.adagrad
+        from torchrec.models.dlrm import DLRM
+
+        self.wrap(DLRM, "forward", "forward")
+        self.wrap(torch.autograd, "backward", "backward")
+        self.wrap(torch.optim.adagrad, "adagrad", "optimizer update")
+        self.wrap(torch.optim.Adagrad, "zero_grad", "zero_grad")
+
+    def lightning(self) -> None:
+        from lightning.pytorch.core.module import LightningModule
+        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+        from lightning.pytorch.trainer import call
+
+        from lightning_ett.strategies.input_pipeline import SparseInputPipeline
+
+        self.common()
+        self.wrap(_PrefetchDataFetcher, "__next__", "fetch")
+        self.wrap(SparseInputPipeline, "before_step", "input dist: next batch in, splits started")
+        self.wrap(SparseInputPipeline, "before_backward", "input dist: splits in, ids started")
+        self.wrap(LightningModule, "log", "self.log")
+        self.wrap(call, "_call_callback_hooks", "callbacks (ETTMonitor, the step clock)")
+
+    def pipeline(self) -> None:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        self.common()
+        self.wrap(TrainPipelineSparseDist, "enqueue_batch", "fetch")
+        self.wrap(TrainPipelineSparseDist, "start_sparse_data_dist", "input dist: next batch in, splits started")
+        self.wrap(TrainPipelineSparseDist, "wait_sparse_data_dist", "input dist: splits in, ids started")
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {phase: seconds / steps for phase, seconds in self.seconds.items()}
+
+
 def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None, pipeline: bool = True,
-                  device: str = "cpu", ranks: int = 2) -> None:
+                  device: str = "cpu", ranks: int = 2, phases: bool = False, log: bool = True,
+                  monitor: bool = True) -> None:
     import tempfile
 
     from lightning.pytorch import Callback, Trainer
@@ -72,12 +139,16 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
     from lightning_ett import ETTMonitor, ETTStrategy
 
     profiler = Profiler(profile)
+    clock = PhaseClock()
+    if phases:
+        clock.lightning()
 
     class StepClock(Callback):
         stamps: ClassVar[list[float]] = []
 
         def on_train_batch_end(self, trainer, *args: object) -> None:  # type: ignore[no-untyped-def]
             self.stamps.append(time.perf_counter())
+            clock.armed = warmup < len(self.stamps) < steps
             if trainer.global_rank == 0 and len(self.stamps) == warmup:
                 profiler.start()
 
@@ -85,24 +156,29 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
             if trainer.global_rank == 0:
                 profiler.stop()
 
-    clock = StepClock()
+    class Unlogged(DLRMModule):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.loss(self(batch), batch.labels.float())  # the same step as DLRMModule's, without self.log
+
+    step_clock = StepClock()
     strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": LR},
                            pipeline=pipeline)
     with tempfile.TemporaryDirectory() as run_dir:
-        monitor = ETTMonitor(run_dir=run_dir, report_on_end=False)
+        callbacks = [step_clock] + ([ETTMonitor(run_dir=run_dir, report_on_end=False)] if monitor else [])
         trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=ranks, strategy=strategy,
                           max_steps=steps, logger=False,
-                          callbacks=[clock, monitor], enable_checkpointing=False, enable_progress_bar=False,
+                          callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, limit_val_batches=0)
-        trainer.fit(DLRMModule(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
+        trainer.fit((DLRMModule if log else Unlogged)(learning_rate=LR), RandomCriteoDataModule(batch_size=512))
     if trainer.global_rank == 0:
         pipeline = strategy.input_pipeline
-        out.write_text(json.dumps({**step_times(clock.stamps, warmup),
-                                   "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0}))
+        out.write_text(json.dumps({**step_times(step_clock.stamps, warmup),
+                                   "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0,
+                                   **({"phases": clock.per_step(steps - warmup - 1)} if phases else {})}))
 
 
 def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: str, profile: Path | None,
-               device_type: str = "cpu", ranks: int = 2) -> None:
+               device_type: str = "cpu", ranks: int = 2, phases: bool = False) -> None:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -134,9 +210,15 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
     data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 2, rank), batch_size=None))
     stamps: list[float] = []
     profiler = Profiler(profile if rank == 0 else None)
+    clock = PhaseClock()
+    if phases and loop != "dmp":
+        clock.pipeline()
+    elif phases:
+        clock.common()
 
     def stamp() -> None:
         stamps.append(time.perf_counter())
+        clock.armed = warmup < len(stamps) < steps
         if len(stamps) == warmup:
             profiler.start()
 
@@ -161,7 +243,8 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
             stamp()
     profiler.stop()
     if rank == 0:
-        out.write_text(json.dumps(step_times(stamps, warmup)))
+        out.write_text(json.dumps({**step_times(stamps, warmup),
+                                   **({"phases": clock.per_step(steps - warmup - 1)} if phases else {})}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -175,17 +258,21 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one rank per GPU")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--profile", default=None, help="rank 0 writes a cProfile of the steps after the warm-up here")
+    p.add_argument("--phases", action="store_true", help="rank 0 adds the time per step in each phase to OUT")
+    p.add_argument("--no-log", action="store_true", help="Lightning arms: training_step without self.log")
+    p.add_argument("--no-monitor", action="store_true", help="Lightning arms: without ETTMonitor")
     args = p.parse_args()
     if args.mode.startswith("lightning"):
         lightning_run(args.steps, args.warmup, Path(args.out), Path(args.profile) if args.profile else None,
-                      pipeline=args.mode == "lightning", device=args.device, ranks=args.ranks)
+                      pipeline=args.mode == "lightning", device=args.device, ranks=args.ranks, phases=args.phases,
+                      log=not args.no_log, monitor=not args.no_monitor)
     else:
         import torch.multiprocessing as mp
         from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
         profile = Path(args.profile) if args.profile else None
         mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode,
-                                   profile, args.device, args.ranks), nprocs=args.ranks)
+                                   profile, args.device, args.ranks, args.phases), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

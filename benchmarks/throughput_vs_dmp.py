@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -32,23 +33,29 @@ NAMES = {"dmp": "plain DMP loop", "pipeline": "TrainPipelineSparseDist", "lightn
          "lightning_plain": "ETTStrategy(pipeline=False)", "dmp A/A": "plain DMP loop again"}
 
 
-def step_time(mode: str, out: Path, steps: int, tries: int = 2) -> float:
-    """One run of ``mode``'s job. A crashed run is reported and run again once (a rank of the hand-written
-    loop has been seen to abort at exit in gloo's teardown); a second crash stops the benchmark."""
+def job_result(mode: str, out: Path, steps: int, extra: tuple[str, ...] = (), tries: int = 2) -> dict[str, Any]:
+    """One run of ``mode``'s job (its first word; ``extra``: more throughput_job.py flags): what rank 0 wrote.
+    A crashed run is reported and run again once (a rank of the hand-written loop has been seen to abort at
+    exit in gloo's teardown); a second crash stops the benchmark."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_") and k != "OMP_NUM_THREADS"}  # same threads
     env["PYTHONPATH"] = str(HERE.parent)
     for attempt in range(1, tries + 1):
         out.unlink(missing_ok=True)
         proc = subprocess.run([sys.executable, str(HERE / "throughput_job.py"), "--mode", mode.split()[0], "--out",
-                               str(out), "--steps", str(steps)], check=False, env=env, capture_output=True, text=True,
-                              timeout=900)
+                               str(out), "--steps", str(steps), *extra], check=False, env=env, capture_output=True,
+                              text=True, timeout=900)
         if proc.returncode == 0:
-            return json.loads(out.read_text())["step_s"]
+            return json.loads(out.read_text())
         if attempt == tries:
             raise RuntimeError(proc.stderr[-3000:])
         last = [line for line in proc.stderr.splitlines() if line.strip()][-1:]
         print(f"  {mode} crashed (exit {proc.returncode}: {last}); running it again", flush=True)
     raise AssertionError("unreachable")
+
+
+def step_time(mode: str, out: Path, steps: int) -> float:
+    """One run of ``mode``'s job: the time per step (total over the steps after the warm-up / their number)."""
+    return float(job_result(mode, out, steps)["step_s"])
 
 
 def spread(values: list[float]) -> str:
