@@ -95,12 +95,12 @@ class PhaseClock:
     def common(self) -> None:
         """The phases both loops have: the model's forward (with its input and output all-to-all waits),
         backward, the dense optimizer's update and zero_grad."""
-        import torch.optim.adagrad
+        import torch.optim.adagrad as adagrad_module  # (torch.optim does not expose the submodule as an attribute)
         from torchrec.models.dlrm import DLRM
 
         self.wrap(DLRM, "forward", "forward")
         self.wrap(torch.autograd, "backward", "backward")
-        self.wrap(torch.optim.adagrad, "adagrad", "optimizer update")
+        self.wrap(adagrad_module, "adagrad", "optimizer update")
         self.wrap(torch.optim.Adagrad, "zero_grad", "zero_grad")
 
     def lightning(self) -> None:
