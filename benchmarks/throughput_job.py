@@ -71,7 +71,8 @@ class PhaseClock:
     cProfile (``--profile``) put this loop's Python shares at ~1.9x these and fbgemm's lookup at 1.19 ms
     a step against ~0.75 ms timed directly, so the per-phase split is taken this way: a wrapper costs
     ~1 us a call, ~15 calls a step.
-    Phases are disjoint; ``other`` is the step time left over (the loop's own code). Counted over the
+    Phases are disjoint; ``other`` is the step time left over (the loop's own code and whatever no phase
+    covers: the loss, a strategy's per-step wrappers). Counted over the
     same steps as the step time (after the warm-up stamp, up to the last).
     """
 

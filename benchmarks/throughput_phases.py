@@ -55,7 +55,8 @@ def main() -> None:
                   + " -> ÷ pipeline: " + ", ".join(f"{arm} {base / results[arm][-1]['step_s']:.3f}"
                                                    for arm in ARMS if arm != "pipeline"), flush=True)
     phases = sorted({phase for runs in results.values() for run in runs for phase in run["phases"]})
-    print("\nms per step, rank 0, median of rounds (other = the step less the phases: the loop's own code)")
+    print("\nms per step, rank 0, median of rounds (other = the step less the phases: the loop's own code, the loss, "
+          "a strategy's per-step wrappers)")
     print(f"{'phase':48s}" + "".join(f"{arm:>34s}" for arm in ARMS))
     for phase in [*phases, "other", "step"]:
         row = []
