@@ -24,7 +24,10 @@ attempt number, so every arm meets the same failures. Arms:
 Every seed runs every arm, in ``round_order`` (a balanced Latin square).
 
 Prints, per arm, the median over seeds of ETT%, wall, effective, lost and checkpoint_save
-seconds and the number of attempts, each seed's ETT%, and the interval "auto" chose.
+seconds and the number of attempts, each seed's ETT%, and the interval "auto" chose; the table
+is printed again after every seed, so a run stopped early keeps what it measured. A job that
+uses up ``--max-restarts`` (a too-rare cadence against frequent failures can) is reported as
+failed, with the ETT% its ledger had reached, and left out of the medians; the other arms go on.
 """
 
 from __future__ import annotations
@@ -34,17 +37,66 @@ import math
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import run_pack
 from benchmarks.spread import round_order
 
+if TYPE_CHECKING:
+    from lightning_ett.instrument.summary import Summary
+
 
 def job(work: Path, every: str, steps: int, cache: Path, extra_env: dict[str, str], job_args: list[str],
         max_restarts: int) -> Path:
     return run_pack(work, ["--steps", str(steps), "--every", every, *job_args], cache, max_restarts, **extra_env)
+
+
+@dataclass
+class Outcome:
+    """One arm's job for one failure schedule: its ledger's summary, and whether the job finished."""
+
+    summary: Summary
+    finished: bool
+
+
+def print_table(results: dict[str, list[Outcome]], seeds_done: int, steps: int, mtbf_s: float) -> None:
+    """Medians over the finished jobs of each arm, then every job's ETT% (failed ones marked)."""
+    from lightning_ett.instrument.timeline import CADENCE_FACT
+
+    print(f"reference job: {steps} steps, injected MTBF {mtbf_s:g}s, {seeds_done} failure schedule(s); "
+          "medians over finished jobs")
+    arms = list(results)
+    print(f"{'':<24}" + "".join(f"{n:>17}" for n in arms))
+    rows = {"ETT %": lambda s: s.ett_percent, "wall s": lambda s: s.wall_s, "effective s": lambda s: s.effective_s,
+            "lost s": lambda s: s.lost_s, "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0),
+            "attempts": lambda s: float(len(s.attempts))}
+
+    def cell(name: str, get) -> str:
+        done = [get(o.summary) for o in results[name] if o.finished]
+        return f"{statistics.median(done):>17.2f}" if done else f"{'none finished':>17}"
+
+    for label, get in rows.items():
+        print(f"{label:<24}" + "".join(cell(n, get) for n in arms))
+    for seed, o in enumerate(results.get("auto", []), 1):
+        chosen = o.summary.facts_named(CADENCE_FACT)
+        if chosen:
+            c = chosen[-1]
+            print(f"auto, seed {seed}, last choice: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost "
+                  f"{c['save_cost_s']:.3f}s and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]")
+    for name in arms:  # the spread: one unlucky failure schedule costs a too-rare cadence most
+        print(f"ETT % per schedule, {name}: " + ", ".join(
+            f"{o.summary.ett_percent:.1f}" + ("" if o.finished else f" (failed: {len(o.summary.attempts)} attempts)")
+            for o in results[name]))
+    if "Young/Daly once" in results and "Young/Daly A/A" in results:
+        gaps = [a.summary.ett_percent - b.summary.ett_percent
+                for a, b in zip(results["Young/Daly A/A"], results["Young/Daly once"]) if a.finished and b.finished]
+        if gaps:
+            print("A/A: Young/Daly again minus Young/Daly, ETT points per seed: " + ", ".join(f"{g:+.1f}" for g in gaps)
+                  + f"; a difference between arms within ±{max(abs(g) for g in gaps):.1f} points is noise", flush=True)
 
 
 def calibrate(tmp: Path, cache: Path, mtbf_s: float) -> tuple[int, float, float]:
@@ -75,7 +127,6 @@ def main() -> None:
     p.add_argument("--max-restarts", type=int, default=30)
     args = p.parse_args()
     from lightning_ett.instrument.summary import summarize_run_dir
-    from lightning_ett.instrument.timeline import CADENCE_FACT
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -90,41 +141,21 @@ def main() -> None:
             if unknown:
                 p.error(f"--arms: unknown {sorted(unknown)}; choose from {list(arms)}")
             arms = {name: every for name, every in arms.items() if name in args.arms}
-        results: dict[str, list] = {name: [] for name in arms}
+        results: dict[str, list[Outcome]] = {name: [] for name in arms}
         for seed in range(1, args.seeds + 1):
             faults = {"LIGHTNING_ETT_FAULT_MTBF_S": f"{args.mtbf_s:g}:{seed}"}
             for name, every in round_order(list(arms.items()), seed - 1):
                 extra = [] if every != "auto" or not args.mtbf_given else ["--mtbf-hours", repr(args.mtbf_s / 3600)]
-                run_dir = job(tmp / f"{name.replace(' ', '_').replace('/', '_')}-{seed}", every, args.steps, cache, faults, extra,
-                              args.max_restarts)
-                results[name].append(summarize_run_dir(run_dir))
-                print(f"seed {seed} {name}: ETT {results[name][-1].ett_percent:.1f} %", flush=True)
-
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
-
-    print(f"reference job: {args.steps} steps, injected MTBF {args.mtbf_s:g}s, {args.seeds} failure schedule(s); medians")
-    print(f"{'':<24}" + "".join(f"{n:>17}" for n in arms))
-    rows = {"ETT %": lambda s: s.ett_percent, "wall s": lambda s: s.wall_s, "effective s": lambda s: s.effective_s,
-            "lost s": lambda s: s.lost_s, "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0),
-            "attempts": lambda s: float(len(s.attempts))}
-    for label, get in rows.items():
-        print(f"{label:<24}" + "".join(f"{med([get(s) for s in results[n]]):>17.2f}" for n in arms))
-    for seed, s in enumerate(results.get("auto", []), 1):
-        chosen = s.facts_named(CADENCE_FACT)
-        if chosen:
-            c = chosen[-1]
-            print(f"auto, seed {seed}, last choice: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost "
-                  f"{c['save_cost_s']:.3f}s and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]")
-    for name in arms:  # the spread: one unlucky failure schedule costs a too-rare cadence most
-        print(f"ETT % per schedule, {name}: " + ", ".join(f"{s.ett_percent:.1f}" for s in results[name]))
-    ett = {n: med([s.ett_percent for s in results[n]]) for n in arms}
-    print("ETT% medians: " + "  ".join(f"{n} {v:.1f}" for n, v in ett.items()))
-    if "Young/Daly once" in results and "Young/Daly A/A" in results:
-        gaps = [a.ett_percent - b.ett_percent for a, b in zip(results["Young/Daly A/A"], results["Young/Daly once"])]
-        print("A/A: Young/Daly again minus Young/Daly, ETT points per seed: " + ", ".join(f"{g:+.1f}" for g in gaps)
-              + f"; a difference between arms within ±{max(abs(g) for g in gaps):.1f} points is noise")
-
+                work = tmp / f"{name.replace(' ', '_').replace('/', '_')}-{seed}"
+                try:
+                    run_dir, finished = job(work, every, args.steps, cache, faults, extra, args.max_restarts), True
+                except RuntimeError as err:  # the launcher gave up: the job is a result, not the end of the comparison
+                    run_dir, finished = work / "run", False
+                    print(f"seed {seed} {name}: the job failed; {str(err).splitlines()[0][-200:]}", flush=True)
+                results[name].append(Outcome(summarize_run_dir(run_dir), finished))
+                print(f"seed {seed} {name}: ETT {results[name][-1].summary.ett_percent:.1f} %"
+                      + ("" if finished else " (not finished)"), flush=True)
+            print_table(results, seed, args.steps, args.mtbf_s)
 
 if __name__ == "__main__":
     main()
