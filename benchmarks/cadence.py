@@ -16,7 +16,8 @@ attempt number, so every arm meets the same failures. Arms:
   job measured (AsyncCheckpoint logs both) and the injected MTBF;
 * **round**: a common round choice, ``every_n_train_steps=ROUND``;
 * **auto**: ``every_n_train_steps="auto"``, learning the MTBF from the job's ledger as a real
-  job would (24 h assumed until the first failure; ``--mtbf-given`` hands it the injected MTBF);
+  job would (a third of the job's age until the first failure; ``--mtbf-given`` hands it the
+  injected MTBF);
 * **too rare**: ``every_n_train_steps=RARE``;
 * **Young/Daly A/A**: Young/Daly once again, the same interval: its distance from the first
   sizes the noise (the same failure schedule met at other moments of another job).
@@ -24,10 +25,12 @@ attempt number, so every arm meets the same failures. Arms:
 Every seed runs every arm, in ``round_order`` (a balanced Latin square).
 
 Prints, per arm, the median over seeds of ETT%, wall, effective, lost and checkpoint_save
-seconds and the number of attempts, each seed's ETT%, and the interval "auto" chose; the table
-is printed again after every seed, so a run stopped early keeps what it measured. A job that
-uses up ``--max-restarts`` (a too-rare cadence against frequent failures can) is reported as
-failed, with the ETT% its ledger had reached, and left out of the medians; the other arms go on.
+seconds and the number of attempts, every job's figures, and the interval "auto" chose; all of
+it is printed again after every seed, so a run stopped early keeps what it measured. A job whose
+launcher gave up (it used up ``--max-restarts``: a too-rare cadence against frequent failures
+can) is reported as failed, with the ETT% its ledger had reached, and the other arms go on; the
+medians then cover only the seeds where every arm finished (the same work in every arm), and
+each arm's failures are counted. Any other failure of a job ends the run.
 """
 
 from __future__ import annotations
@@ -63,40 +66,60 @@ class Outcome:
     finished: bool
 
 
-def print_table(results: dict[str, list[Outcome]], seeds_done: int, steps: int, mtbf_s: float) -> None:
-    """Medians over the finished jobs of each arm, then every job's ETT% (failed ones marked)."""
+FIGURES = {"ETT %": lambda s: s.ett_percent, "wall s": lambda s: s.wall_s, "effective s": lambda s: s.effective_s,
+           "lost s": lambda s: s.lost_s, "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0),
+           "attempts": lambda s: float(len(s.attempts))}
+
+
+def print_table(results: dict[str, list[Outcome]], steps: int, mtbf_s: float) -> None:
+    """Medians over the seeds where every arm finished, each arm's failures, then every job's figures."""
     from lightning_ett.instrument.timeline import CADENCE_FACT
 
-    print(f"reference job: {steps} steps, injected MTBF {mtbf_s:g}s, {seeds_done} failure schedule(s); "
-          "medians over finished jobs")
     arms = list(results)
+    seeds = len(next(iter(results.values())))
+    complete = [i for i in range(seeds) if all(results[n][i].finished for n in arms)]
+    print(f"reference job: {steps} steps, injected MTBF {mtbf_s:g}s; medians over the {len(complete)} of {seeds} "
+          "failure schedule(s) where every arm finished")
     print(f"{'':<24}" + "".join(f"{n:>17}" for n in arms))
-    rows = {"ETT %": lambda s: s.ett_percent, "wall s": lambda s: s.wall_s, "effective s": lambda s: s.effective_s,
-            "lost s": lambda s: s.lost_s, "checkpoint_save s": lambda s: s.phases.get("checkpoint_save", 0.0),
-            "attempts": lambda s: float(len(s.attempts))}
-
-    def cell(name: str, get) -> str:
-        done = [get(o.summary) for o in results[name] if o.finished]
-        return f"{statistics.median(done):>17.2f}" if done else f"{'none finished':>17}"
-
-    for label, get in rows.items():
-        print(f"{label:<24}" + "".join(cell(n, get) for n in arms))
+    for label, get in FIGURES.items():
+        cells = [f"{statistics.median(get(results[n][i].summary) for i in complete):>17.2f}" if complete
+                 else f"{'-':>17}" for n in arms]
+        print(f"{label:<24}" + "".join(cells))
+    print(f"{'failed jobs':<24}" + "".join(f"{sum(not o.finished for o in results[n]):>17}" for n in arms))
+    for name in arms:  # every job: the spread, and what a failed job had reached
+        for seed, o in enumerate(results[name], 1):
+            figures = ", ".join(f"{label} {get(o.summary):.2f}" for label, get in FIGURES.items())
+            print(f"  {name}, seed {seed}: {figures}" + ("" if o.finished else f"; FAILED: {o.summary.outcome}"))
     for seed, o in enumerate(results.get("auto", []), 1):
         chosen = o.summary.facts_named(CADENCE_FACT)
         if chosen:
             c = chosen[-1]
             print(f"auto, seed {seed}, last choice: every {c['interval_steps']} steps (~{c['interval_s']:.1f}s) from save cost "
                   f"{c['save_cost_s']:.3f}s and MTBF {c['mtbf_s']:.0f}s [{c['mtbf_source']}]")
-    for name in arms:  # the spread: one unlucky failure schedule costs a too-rare cadence most
-        print(f"ETT % per schedule, {name}: " + ", ".join(
-            f"{o.summary.ett_percent:.1f}" + ("" if o.finished else f" (failed: {len(o.summary.attempts)} attempts)")
-            for o in results[name]))
     if "Young/Daly once" in results and "Young/Daly A/A" in results:
-        gaps = [a.summary.ett_percent - b.summary.ett_percent
-                for a, b in zip(results["Young/Daly A/A"], results["Young/Daly once"]) if a.finished and b.finished]
+        gaps = [(seed, a.summary.ett_percent - b.summary.ett_percent)
+                for seed, (a, b) in enumerate(zip(results["Young/Daly A/A"], results["Young/Daly once"]), 1)
+                if a.finished and b.finished]
         if gaps:
-            print("A/A: Young/Daly again minus Young/Daly, ETT points per seed: " + ", ".join(f"{g:+.1f}" for g in gaps)
-                  + f"; a difference between arms within ±{max(abs(g) for g in gaps):.1f} points is noise", flush=True)
+            print("A/A: Young/Daly again minus Young/Daly, ETT points: "
+                  + ", ".join(f"seed {seed} {g:+.1f}" for seed, g in gaps)
+                  + f"; a difference between arms within ±{max(abs(g) for _, g in gaps):.1f} points is noise")
+        else:
+            print("A/A: no seed where both Young/Daly arms finished")
+    sys.stdout.flush()
+
+
+def gave_up(run_dir: Path, err: RuntimeError) -> Summary:
+    """The summary of a job whose launcher gave up (a result of its cadence); any other failure is re-raised."""
+    from lightning_ett.instrument.summary import summarize_run_dir
+
+    try:
+        summary = summarize_run_dir(run_dir)
+    except (FileNotFoundError, ValueError):
+        raise err from None  # no ledger to read: the job failed before training, which is no cadence's doing
+    if not (summary.outcome or "").startswith("gave up after"):
+        raise err
+    return summary
 
 
 def calibrate(tmp: Path, cache: Path, mtbf_s: float) -> tuple[int, float, float]:
@@ -128,7 +151,7 @@ def main() -> None:
     args = p.parse_args()
     from lightning_ett.instrument.summary import summarize_run_dir
 
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as d:
         tmp = Path(d)
         cache = tmp / "compile_cache"
         young_daly, cost, step = calibrate(tmp, cache, args.mtbf_s)
@@ -148,14 +171,15 @@ def main() -> None:
                 extra = [] if every != "auto" or not args.mtbf_given else ["--mtbf-hours", repr(args.mtbf_s / 3600)]
                 work = tmp / f"{name.replace(' ', '_').replace('/', '_')}-{seed}"
                 try:
-                    run_dir, finished = job(work, every, args.steps, cache, faults, extra, args.max_restarts), True
-                except RuntimeError as err:  # the launcher gave up: the job is a result, not the end of the comparison
-                    run_dir, finished = work / "run", False
-                    print(f"seed {seed} {name}: the job failed; {str(err).splitlines()[0][-200:]}", flush=True)
-                results[name].append(Outcome(summarize_run_dir(run_dir), finished))
-                print(f"seed {seed} {name}: ETT {results[name][-1].summary.ett_percent:.1f} %"
-                      + ("" if finished else " (not finished)"), flush=True)
-            print_table(results, seed, args.steps, args.mtbf_s)
+                    summary = summarize_run_dir(job(work, every, args.steps, cache, faults, extra, args.max_restarts))
+                    finished = True
+                except RuntimeError as err:
+                    summary, finished = gave_up(work / "run", err), False
+                results[name].append(Outcome(summary, finished))
+                print(f"seed {seed} {name}: ETT {summary.ett_percent:.1f} %"
+                      + ("" if finished else f" (not finished: {summary.outcome})"), flush=True)
+            print_table(results, args.steps, args.mtbf_s)
+
 
 if __name__ == "__main__":
     main()
