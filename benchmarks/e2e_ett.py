@@ -156,20 +156,21 @@ def run_torchrun(work: Path, job: Job, arm: str, inductor: Path) -> Result:
     return Result(summarize_run_dir(work / "run"), probe)
 
 
-def run_lightning(work: Path, job: Job, inductor: Path, compile_cache: Path | None = None) -> Result:
-    """``lightning run --max-restarts F`` of the pack arm."""
+def run_lightning(work: Path, job: Job, inductor: Path, compile_cache: Path | None = None,
+                  arm: str = "pack") -> Result:
+    """``lightning run --max-restarts F`` of ``arm`` (the pack; same-training to time the launcher alone)."""
     work.mkdir(parents=True)
     extra = ["--compile-cache", str(compile_cache)] if compile_cache is not None else []
     cmd = [str(BIN / "lightning"), "run", "--devices", "2", "--max-restarts", str(job.failures), "--run-dir",
-           str(work / "run"), job.script, "--arm", "pack", "--work", str(work), *job.args, *extra]
+           str(work / "run"), job.script, "--arm", arm, "--work", str(work), *job.args, *extra]
     started = time.time()
     rc = launch(cmd, job.environ(inductor), work / "launcher.log")
     probe = time.time() - started
     if rc != 0:
-        raise failed("pack (lightning run)", work / "launcher.log", rc)
+        raise failed(f"{arm} (lightning run)", work / "launcher.log", rc)
     summary = summarize_run_dir(work / "run")
     if len(summary.attempts) != job.failures + 1:
-        raise failed(f"pack (lightning run) with {len(summary.attempts)} attempt(s), not {job.failures + 1}",
+        raise failed(f"{arm} (lightning run) with {len(summary.attempts)} attempt(s), not {job.failures + 1}",
                      work / "launcher.log", rc)
     return Result(summary, probe)
 
