@@ -20,6 +20,7 @@ deterministic share), eager mode only (no graph capture), an offline ``WandbLogg
   defaults, as the pack) under ``torchrun``, the vanilla arm's synchronous ``ModelCheckpoint``
   (one sharded DCP write per save), ``fit(ckpt_path="last")``, ``ETTMonitor(run_dir=...)`` only
   measures. The pack's overhead divided by this arm's is what the pack's ETT machinery removes.
+  (``long_step_check.py`` also starts it under ``lightning run``, to time the launcher alone.)
 """
 
 from __future__ import annotations
