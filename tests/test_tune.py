@@ -103,7 +103,10 @@ def test_tune_finds_the_known_best_confirms_it_and_writes_a_best_yaml_that_runs(
     for t in ok:  # measured from each trial's own ETT ledger, under lightning run
         m = t["measurements"]
         assert m["throughput"] > 0 and m["startup_s"] > 0 and Path(t["run_dir"], "run", "ledger").is_dir()
-        assert abs(m["step_s"] * 1000 - step_ms(t["config"])) < 0.6 * step_ms(t["config"]) + 5  # the sleep it was told
+        # A step sleeps at least 0.9x its known cost, so the median step cannot be shorter; the upper bound is loose on
+        # purpose (a loaded 2-core CI machine added 15 ms a step once): it catches start-up or another phase counted
+        # as a step (4 s over 20 steps is 200 ms a step), not the machine's load.
+        assert 0.9 * step_ms(t["config"]) <= m["step_s"] * 1000 < 2 * step_ms(t["config"]) + 60
     # best.yaml is a LightningCLI config fragment: it loads with --config (with the values it names) and runs.
     proc = run_script(SCRIPT, "fit", "--config", str(out / "best.yaml"), "--print_config", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
