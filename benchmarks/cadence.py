@@ -49,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.reference_job import run_pack
 from benchmarks.spread import round_order
+from lightning_ett.lifecycle.faults import FAULT_INJECTION
 
 if TYPE_CHECKING:
     from lightning_ett.instrument.summary import Summary
@@ -123,7 +124,7 @@ def gave_up(run_dir: Path, err: RuntimeError) -> Summary:
     except (FileNotFoundError, ValueError):
         raise err from None  # no ledger to read: the job failed before training, which is no cadence's doing
     outcome = summary.outcome or ""
-    if not (outcome.startswith("gave up after") and "lightning-ett fault injection" in outcome):
+    if not (outcome.startswith("gave up after") and FAULT_INJECTION in outcome):
         raise err
     return summary
 

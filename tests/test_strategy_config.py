@@ -117,3 +117,43 @@ def test_a_frozen_table_is_refused_naming_it():
     ebc.requires_grad_(True)
     apply_fused_optimizer(model, "row_wise_adagrad", {"lr": 0.1})  # trainable: fused into backward
     assert hasattr(ebc.embedding_bags["t0"].weight, "_in_backward_optimizers")
+
+
+@pytest.mark.parametrize("bag", [True, False], ids=["EmbeddingBagCollection", "EmbeddingCollection"])
+def test_a_sharding_type_the_sharder_does_not_offer_is_named_and_only_where_torchrecs_planner_finds_none(bag):
+    """Refused before planning exactly where TorchRec's planner would raise its "No available sharding type" error,
+    for every sharding type, never where it plans."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    from lightning_ett.durable.errors import ConfigurationError
+    from lightning_ett.strategies.plan_cache import SHARDING_TYPES
+    from lightning_ett.strategies.sharders import check_sharding_types_offered
+
+    if bag:
+        model = ebc()
+    else:
+        model = torch.nn.Sequential(EmbeddingCollection(tables=[
+            EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"]) for i in range(3)],
+            device=torch.device("meta")))
+    sharders = default_sharders("cpu")
+    topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
+    refused = []
+    for sharding_type in SHARDING_TYPES:
+        constraints = {"t1": ParameterConstraints(sharding_types=[sharding_type])}
+        try:
+            check_sharding_types_offered(model, sharders, constraints, "cpu")
+            ours = None
+        except ConfigurationError as err:
+            ours = str(err)
+        try:
+            compute_plan(model, topology, sharders, constraints, 64)
+            theirs = None
+        except RuntimeError as err:
+            theirs = str(err)
+        assert (ours is None) == (theirs is None or "No available sharding type" not in theirs), (sharding_type, ours, theirs)
+        if ours is not None:
+            assert f"table 't1' ({type(model[0]).__name__}) is constrained to sharding type(s) ['{sharding_type}']" in ours
+            refused.append(sharding_type)
+    # on CPU: grid sharding is 2D-only for bags; sequence tables have no table-row-, table-column-wise or grid sharding
+    assert refused == (["grid_shard"] if bag else ["table_row_wise", "table_column_wise", "grid_shard"]), refused

@@ -5,14 +5,7 @@ machine torchao warns about each CUDA kernel library it cannot load, and torch's
 an enum torchao registers; both once per process, neither actionable.
 """
 
-import logging
+from lightning_ett.instrument.quiet import loggers_at_error
 
-_quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-_levels = [logger.level for logger in _quiet]
-for _logger in _quiet:
-    _logger.setLevel(logging.ERROR)
-try:
+with loggers_at_error("torchao", "torch.utils._pytree"):
     import torchao  # noqa: F401
-finally:
-    for _logger, _level in zip(_quiet, _levels):
-        _logger.setLevel(_level)

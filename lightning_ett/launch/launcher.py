@@ -85,6 +85,7 @@ from lightning_ett.launch.progress_line import DEFAULT_EVERY_S as DEFAULT_PROGRE
 from lightning_ett.launch.progress_line import ProgressLine
 from lightning_ett.launch.wandb_service import WandbService
 from lightning_ett.launch.worker import EXIT_NOT_RETRYABLE
+from lightning_ett.lifecycle.faults import FAULT_INJECTION
 from lightning_ett.lifecycle.sweeper import Sweeper, kill_process_groups, sweep_attempt
 
 WORKER_LOGS = "worker_logs"
@@ -130,7 +131,7 @@ def failure_reason(exitcode: int, stderr_file: str | None) -> str:
             reason = f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
             reason = f"killed by signal {-exitcode}"
-        injected = [line for line in tail if line.startswith("lightning-ett fault injection")]
+        injected = [line for line in tail if line.startswith(FAULT_INJECTION)]
         return f"{reason} ({injected[-1]})" if injected else reason
     for line in reversed(tail):
         if _EXCEPTION_LINE.match(line):

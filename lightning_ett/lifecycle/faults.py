@@ -38,6 +38,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+#: What every injected fault prints first: the launcher quotes the line in the failure reason, so a
+#: report (and a benchmark) can tell an injected failure from a real one.
+FAULT_INJECTION = "lightning-ett fault injection"
+
 ENV_FAULT_KILL = "LIGHTNING_ETT_FAULT_KILL"
 ENV_FAULT_MTBF = "LIGHTNING_ETT_FAULT_MTBF_S"
 ENV_FAULT_HANG = "LIGHTNING_ETT_FAULT_HANG"
@@ -79,7 +83,7 @@ def faults_from_env() -> tuple[KillFault, ...]:
 def maybe_kill(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int) -> None:
     """SIGKILL this process if a fault names this rank, step and attempt."""
     if KillFault(rank, step, attempt) in faults:
-        print(f"lightning-ett fault injection: SIGKILL rank {rank} at step {step} of attempt {attempt}",
+        print(f"{FAULT_INJECTION}: SIGKILL rank {rank} at step {step} of attempt {attempt}",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -117,7 +121,7 @@ def random_failures_from_env() -> RandomFailures | None:
 def maybe_fail_randomly(failures: RandomFailures, rank: int, world_size: int, attempt: int, training_s: float) -> None:
     """SIGKILL this process if it is this attempt's victim and its failure time (in training seconds) has come."""
     if rank == failures.victim(attempt, world_size) and training_s >= failures.deadline_s(attempt):
-        print(f"lightning-ett fault injection: SIGKILL rank {rank} after {training_s:.1f}s of training in attempt {attempt} "
+        print(f"{FAULT_INJECTION}: SIGKILL rank {rank} after {training_s:.1f}s of training in attempt {attempt} "
               f"(failure rate: MTBF {failures.mtbf_s:g}s)", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -161,7 +165,7 @@ def maybe_hang(faults: HangFaults, rank: int, step: int, attempt: int, group: An
     where = "in Python" if here in faults.in_python else "in a collective" if here in faults.in_collective else None
     if where is None:
         return
-    print(f"lightning-ett fault injection: rank {rank} hangs {where} at step {step} of attempt {attempt} "
+    print(f"{FAULT_INJECTION}: rank {rank} hangs {where} at step {step} of attempt {attempt} "
           f"(t={time.time():.3f})", file=sys.stderr, flush=True)
     if where == "in Python" or group is None:
         hang_in_python()

@@ -49,6 +49,7 @@ from lightning_ett.strategies.plan_cache import (
     check_plan_covers,
     check_plan_ranks,
     compute_plan,
+    default_topology,
     embedding_tables,
     plan_digest,
     plan_inputs,
@@ -62,6 +63,7 @@ from lightning_ett.strategies.sharders import (
     FUSED_OPTIMIZERS,
     apply_fused_optimizer,
     check_fused_optimizer,
+    check_sharding_types_offered,
     default_lr,
     default_sharders,
 )
@@ -321,10 +323,8 @@ class ETTStrategy(ParallelStrategy):
             check_plan_ranks(self._user_plan, planned_ranks)
             self.plan_source = "user"
             return self._user_plan
-        topology = self._user_topology or Topology(
-            world_size=planned_ranks, compute_device=self.root_device.type,
-            local_world_size=node_group_size(planned_ranks, self.num_processes, self.world_size),
-        )
+        topology = self._user_topology or default_topology(
+            planned_ranks, self.root_device.type, node_group_size(planned_ranks, self.num_processes, self.world_size))
         if topology.world_size != planned_ranks:
             raise ConfigurationError(f"ETTStrategy(topology=Topology(world_size={topology.world_size}, ...)): the planner plans "
                                      f"{planned_ranks} ranks here ({'the sharding group' if self._group_size else 'the world'}); "
@@ -336,6 +336,7 @@ class ETTStrategy(ParallelStrategy):
             if cached is not None:
                 self.plan_source = "cache"
                 return cached
+        check_sharding_types_offered(module, self._sharders, constraints, topology.compute_device)
         try:
             plan = compute_plan(module, topology, self._sharders, constraints, self.planner_batch_size)
         except PlannerError as e:

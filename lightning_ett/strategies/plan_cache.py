@@ -22,12 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.durable.files import atomic_write_bytes, set_aside
+from lightning_ett.instrument.quiet import loggers_at_error
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
 
@@ -127,9 +129,21 @@ def compute_plan(
     constraints: dict[str, ParameterConstraints],
     batch_size: int,
 ) -> ShardingPlan:
-    """Run TorchRec's planner locally (no process group, so no collective)."""
+    """Run TorchRec's planner locally (no process group, so no collective).
+
+    Its storage reservation (TorchRec's default) warns on every plan that its dense-size estimate can be wrong in a
+    dry run, where tensors are not materialized; ETTStrategy plans the real model and offers no estimate to pass, so
+    that logger is held at ERROR while planning."""
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints or None)
-    return planner.plan(module, sharders)
+    with loggers_at_error("torchrec.distributed.planner.storage_reservations"):
+        return planner.plan(module, sharders)
+
+
+def default_topology(world_size: int, compute_device: str, local_world_size: int) -> Topology:
+    """What ``Topology(world_size=..., compute_device=..., local_world_size=...)`` gives, through the factory TorchRec
+    asks for (a Topology built directly logs, on every rank, that "the job will fail"; this one is the same)."""
+    return TopologyFactory.create_topology(TrainerConfig(world_size=world_size, local_world_size=local_world_size),
+                                           kernel_config=KernelConfig(compute_device=compute_device))
 
 
 def plan_digest(plan: ShardingPlan) -> str:

@@ -77,3 +77,25 @@ def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) 
     params = [p for sub in subs for p in sub.parameters() if not hasattr(p, "_in_backward_optimizers")]
     if params:
         apply_optimizer_in_backward(FUSED_OPTIMIZERS[name], params, kwargs)
+
+
+def check_sharding_types_offered(module: nn.Module, sharders: list[ModuleSharder[nn.Module]],
+                                 constraints: dict[str, Any], device_type: str) -> None:
+    """Fail naming the table, what it asked and what its sharder offers here, where TorchRec's enumerator would raise
+    "No available sharding type ..." after a warning buried in its log: only where no asked type is offered at all
+    (e.g. ``table_row_wise`` for an ``EmbeddingCollection`` on CPU), so no plan TorchRec would find is refused."""
+    by_type = {sharder.module_type: sharder for sharder in sharders}
+    for sub in embedding_modules(module):
+        sharder = by_type.get(type(sub))
+        if sharder is None:
+            continue
+        offered = list(sharder.sharding_types(device_type))
+        configs = sub.embedding_bag_configs() if hasattr(sub, "embedding_bag_configs") else sub.embedding_configs()
+        for config in configs:
+            asked = list(getattr(constraints.get(config.name), "sharding_types", None) or [])
+            if asked and not set(asked) & set(offered):
+                raise ConfigurationError(
+                    f"ETTStrategy: table {config.name!r} ({type(sub).__name__}) is constrained to sharding type(s) "
+                    f"{asked}, but {type(sharder).__name__} offers only {offered} on {device_type}. Pass "
+                    f"sharding_type= (or constraints={{{config.name!r}: ParameterConstraints(sharding_types=[...])}}) "
+                    f"with one of {offered}, or sharders=[...] that offer it.")

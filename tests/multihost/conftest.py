@@ -86,7 +86,8 @@ class TwoHostJob:
     def train_steps(self, rank: int) -> int:
         count = 0
         for path in self.run_dir.glob(f"ledger/attempt-*/rank-{rank:05d}.jsonl"):
-            count += path.read_text(errors="replace").count('"phase":"train"')
+            # one "event" line per finished step (a "begin" line precedes it while the hang watch is on)
+            count += path.read_text(errors="replace").count('"kind":"event","phase":"train"')
         return count
 
     def wait(self, node: int, timeout: float) -> int:
