@@ -21,7 +21,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -402,6 +402,12 @@ class ETTStrategy(ParallelStrategy):
         if trainer.accumulate_grad_batches > 1 and self.plan is not None:
             rank_zero_warn("ETTStrategy: the fused embedding optimizer steps in every backward; "
                            "`accumulate_grad_batches > 1` accumulates only the dense gradients.")
+        if isinstance(self.precision_plugin, HalfPrecision) and self.plan is not None:
+            dtype = self.precision_plugin._desired_input_dtype
+            rank_zero_warn(f"ETTStrategy: precision={self.precision_plugin.precision!r} converts the dense layers to {dtype}, "
+                           "but TorchRec's sharded tables keep their configs' data_type and return float32 embeddings: "
+                           f"cast them before a dense layer (`emb.to({dtype})`), or use a mixed precision (e.g. "
+                           "precision='bf16-mixed').")
 
     def _replan_if_tables_changed(self, module: pl.LightningModule) -> None:
         """Tables built in ``setup()`` or by Lightning's ``configure_model`` call appear only after

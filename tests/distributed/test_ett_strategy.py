@@ -262,6 +262,22 @@ def test_each_fused_optimizer_trains_the_tables_and_accumulation_is_warned_about
     assert "`accumulate_grad_batches > 1` accumulates only the dense gradients" in proc.stderr
 
 
+def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_other_precision_is(tmp_path):
+    # No false alarm first: 32-true and bf16-mixed train without the warning. Under bf16-true the dense layers are bf16
+    # and the sharded tables' output is float32: warned, naming the cast, which then trains.
+    proc = run_script(str(SCRIPTS / "precision_job.py"), "--out", str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    for case in ("32-true", "bf16-mixed"):
+        assert r[case]["error"] is None and r[case]["steps"] == 6 and r[case]["warnings"] == [], r[case]
+    warned = [w for w in r["bf16-true_cast"]["warnings"] if "return float32 embeddings" in w]
+    assert len(warned) == 1 and "precision='bf16-true'" in warned[0] and "emb.to(torch.bfloat16)" in warned[0], r
+    assert r["bf16-true_cast"]["error"] is None and r["bf16-true_cast"]["steps"] == 6
+    assert r["bf16-true_cast"]["dense_dtype"] == "torch.bfloat16" and r["bf16-true_cast"]["table_dtype"] == "torch.float32"
+    assert r["bf16-true"]["warnings"] == r["bf16-true_cast"]["warnings"]  # said before the user's step fails on it
+    assert "must have the same dtype" in r["bf16-true"]["error"]
+
+
 def test_adam_on_cpu_is_refused_naming_the_argument_before_start_up():
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel

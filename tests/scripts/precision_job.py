@@ -1,0 +1,86 @@
+"""One rank of ETTStrategy training a small sharded model under each precision given (real TorchRec, gloo).
+
+Each case is ``PRECISION`` or ``PRECISION:cast`` (the model casts the embeddings to its own dtype
+before its dense layer). For each it writes to OUT/<case>.json: the strategy's warnings, whether
+the tables and the dense layer trained, and the error if fit failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from lightning_ett import ETTStrategy
+
+
+def batches(n: int, size: int = 16) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=torch.randint(0, 50, (size,), generator=g),
+                                                 lengths=torch.ones(size, dtype=torch.int32)),
+             torch.randn(size, generator=g)) for _ in range(n)]
+
+
+class Tiny(LightningModule):
+    def __init__(self, cast: bool) -> None:
+        super().__init__()
+        self.cast = cast
+        self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=50,
+                                                                     feature_names=["f0"])], device=torch.device("meta"))
+        self.dense = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        kjt, y = batch
+        emb = self.ebc(kjt)["f0"]
+        if self.cast:
+            emb = emb.to(self.dense.weight.dtype)
+        return torch.nn.functional.mse_loss(self.dense(emb).squeeze(-1).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(batches(8), batch_size=None)
+
+
+def run(case: str) -> dict:
+    precision, _, cast = case.partition(":")
+    model = Tiny(cast=cast == "cast")
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ETTStrategy(), precision=precision, max_steps=6, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    result: dict = {"case": case, "error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model)
+        except Exception as err:  # recorded: the test asserts which cases fail and how
+            result["error"] = f"{type(err).__name__}: {err}"
+    result["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("ETTStrategy:")]
+    if result["error"] is None:
+        table = model.ebc.state_dict()["embedding_bags.t0.weight"]
+        local = table.local_shards()[0].tensor if hasattr(table, "local_shards") else table
+        result["dense_dtype"] = str(model.dense.weight.dtype)
+        result["table_dtype"] = str(local.dtype)
+        result["steps"] = trainer.global_step
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--cases", default="32-true,bf16-mixed,bf16-true:cast,bf16-true")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for case in args.cases.split(","):
+        (out / f"{case.replace(':', '_')}.json").write_text(json.dumps(run(case)))
+
+
+if __name__ == "__main__":
+    main()
