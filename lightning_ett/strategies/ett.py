@@ -40,6 +40,7 @@ from lightning_ett.checkpoint import sharded as ckpt
 from lightning_ett.durable.commit import retire
 from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.instrument.background import BackgroundTask
+from lightning_ett.instrument.quiet import hide_upstream_deprecations
 from lightning_ett.instrument.timeline import SPARSE_2D_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
@@ -160,6 +161,7 @@ class ETTStrategy(ParallelStrategy):
         pipeline: bool = True,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        hide_upstream_deprecations()
         validate_2d_arguments(sharding_group_size, replica_sync_every_n_steps, fused_optimizer, replica_lr_scale)
         if sharding_type is not None and sharding_type not in SHARDING_TYPES:
             raise ConfigurationError(

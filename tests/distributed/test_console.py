@@ -9,6 +9,8 @@ from pathlib import Path
 import yaml
 from conftest import REPO, lightning_run, run_script
 
+from lightning_ett.instrument.quiet import UPSTREAM_DEPRECATIONS
+
 EXAMPLE = REPO / "examples" / "dlrm_example.py"
 
 
@@ -52,8 +54,9 @@ def test_the_examples_console_repeats_no_warning(tmp_path):
     assert all(0 <= float(ett) <= 100 for _, _, ett, _ in progress if ett)
     repeated = {line: n for line, n in collections.Counter(warning_lines(console)).items() if n > 1}
     assert not repeated, repeated
-    # TorchRec's planner, called as ETTStrategy calls it, says nothing a user could act on
+    # TorchRec and torch, driven as ETTStrategy drives them (planning, DMP, six saves), say nothing a user could act on
     assert "TopologyFactory" not in console and "dense tensor size calculation" not in console, console[-4000:]
+    assert not [m for m in UPSTREAM_DEPRECATIONS if re.search(m, console)] and "is_fx_tracing" not in console
     assert any((tmp_path / "ett_runs" / "plan_cache").iterdir())  # (it planned: a fresh cache, then its plan stored)
 
 
