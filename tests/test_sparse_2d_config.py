@@ -251,5 +251,6 @@ def test_a_2d_plan_the_planner_cannot_find_is_explained_with_the_topology_to_pas
     Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
     module = ebc()
     with pytest.raises(ValueError, match=r"(?s)sharding_group_size=2\): TorchRec's planner found no plan for one group of 2 "
-                                         r"ranks.*topology=Topology\(world_size=2, hbm_cap=\.\.\., ddr_cap=\.\.\.\)"):
+                                         r"ranks.*topology=TopologyFactory\.create_topology\(TrainerConfig\(world_size=2, "
+                                         r"hbm_cap_bytes=\.\.\., ddr_cap_bytes=\.\.\.\)"):
         strategy._resolve_plan(module, embedding_tables(module))

@@ -120,15 +120,14 @@ def test_a_frozen_table_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("bag", [True, False], ids=["EmbeddingBagCollection", "EmbeddingCollection"])
-def test_a_sharding_type_the_sharder_does_not_offer_is_named_and_only_where_torchrecs_planner_finds_none(bag):
-    """Refused before planning exactly where TorchRec's planner would raise its "No available sharding type" error,
-    for every sharding type, never where it plans."""
+def test_a_sharding_type_the_sharder_does_not_offer_is_explained_from_torchrecs_own_error(bag):
+    """TorchRec's planner decides; where it finds no sharding type because none asked for is offered, the error says
+    which table, what it asked and what its sharder offers here. Any other planner error is left as TorchRec's."""
     from torchrec.modules.embedding_configs import EmbeddingConfig
     from torchrec.modules.embedding_modules import EmbeddingCollection
 
-    from lightning_ett.durable.errors import ConfigurationError
     from lightning_ett.strategies.plan_cache import SHARDING_TYPES
-    from lightning_ett.strategies.sharders import check_sharding_types_offered
+    from lightning_ett.strategies.sharders import explain_no_sharding_type
 
     if bag:
         model = ebc()
@@ -138,22 +137,41 @@ def test_a_sharding_type_the_sharder_does_not_offer_is_named_and_only_where_torc
             device=torch.device("meta")))
     sharders = default_sharders("cpu")
     topology = Topology(world_size=2, compute_device="cpu", local_world_size=2)
-    refused = []
+    refused = {}
     for sharding_type in SHARDING_TYPES:
         constraints = {"t1": ParameterConstraints(sharding_types=[sharding_type])}
         try:
-            check_sharding_types_offered(model, sharders, constraints, "cpu")
-            ours = None
-        except ConfigurationError as err:
-            ours = str(err)
-        try:
             compute_plan(model, topology, sharders, constraints, 64)
-            theirs = None
         except RuntimeError as err:
-            theirs = str(err)
-        assert (ours is None) == (theirs is None or "No available sharding type" not in theirs), (sharding_type, ours, theirs)
-        if ours is not None:
-            assert f"table 't1' ({type(model[0]).__name__}) is constrained to sharding type(s) ['{sharding_type}']" in ours
-            refused.append(sharding_type)
+            refused[sharding_type] = explain_no_sharding_type(err, sharders, constraints)
+    name = type(model[0]).__name__
     # on CPU: grid sharding is 2D-only for bags; sequence tables have no table-row-, table-column-wise or grid sharding
-    assert refused == (["grid_shard"] if bag else ["table_row_wise", "table_column_wise", "grid_shard"]), refused
+    assert sorted(refused) == sorted(["grid_shard"] if bag else ["table_row_wise", "table_column_wise", "grid_shard"])
+    for sharding_type, said in refused.items():
+        assert said.startswith(f"ETTStrategy: table 't1' ({name}) is constrained to sharding type(s) ['{sharding_type}'], "
+                               f"but {type(next(s for s in sharders if s.module_type is type(model[0]))).__name__} "
+                               "offers only ['data_parallel', 'table_wise'"), said
+    assert ("needs 2D sparse parallelism (sharding_group_size=K)" in refused["grid_shard"]) is bag
+    assert ("fails inside TorchRec 1.9.2" in refused["grid_shard"]) is not bag
+    # an offered type whose compute kernel the constraints rule out: TorchRec's error stands (it names the kernel)
+    constraints = {"t1": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["key_value"])}
+    with pytest.raises(RuntimeError, match="No available sharding type") as err:
+        compute_plan(model, topology, sharders, constraints, 64)
+    assert explain_no_sharding_type(err.value, sharders, constraints) is None
+    assert explain_no_sharding_type(RuntimeError("something else"), sharders, constraints) is None
+
+
+def test_a_wrapper_modules_own_sharder_plans_what_the_inner_modules_sharder_would_not():
+    """A FeatureProcessedEmbeddingBagCollection's sharder offers row-wise sharding on CPU where TorchRec's plain EBC
+    sharder does not: nothing refuses it before TorchRec's planner, which plans it."""
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])]
+    fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=tables, is_weighted=True, device=torch.device("meta")),
+        PositionWeightedModuleCollection({"f0": 4}, device=torch.device("meta")))
+    plan = compute_plan(torch.nn.Sequential(fp), Topology(world_size=2, compute_device="cpu", local_world_size=2),
+                        get_default_sharders(), {"t0": ParameterConstraints(sharding_types=["row_wise"])}, 64)
+    assert "row_wise" in str(plan)

@@ -190,9 +190,8 @@ def _chain(error: BaseException) -> list[BaseException]:
     return seen
 
 
-def _root_configuration_error(error: BaseException) -> str:
-    """The innermost not-retryable error of the chain, as ``module.Class: message`` (its first line)."""
-    innermost = next(e for e in reversed(_chain(error)) if not_retryable(e))
+def _root_configuration_error(innermost: BaseException) -> str:
+    """The innermost not-retryable error of a chain as ``module.Class: message`` (its first line)."""
     kind = type(innermost)
     first = (str(innermost).strip().splitlines() or [""])[0]
     return f"{kind.__module__}.{kind.__qualname__}: {first}" if kind.__module__ != "builtins" else f"{kind.__qualname__}: {first}"
@@ -239,8 +238,11 @@ def run_as_main(script: str, script_args: list[str]) -> None:
         sys.excepthook(*sys.exc_info())
         if not not_retryable(error):
             raise SystemExit(1) from None
-        # Last, the cause in one line: the launcher's report quotes a worker's last exception line.
-        print(_root_configuration_error(error), file=sys.stderr)
+        # Last, the cause in one line: the launcher's report quotes a worker's last exception line (the traceback's
+        # own last line already is that line when the error is the cause and its message one line).
+        innermost = next(e for e in reversed(_chain(error)) if not_retryable(e))
+        if innermost is not error or "\n" in str(error).strip():
+            print(_root_configuration_error(innermost), file=sys.stderr)
         raise SystemExit(EXIT_NOT_RETRYABLE) from None
     finally:
         # The script is over: let exit handlers (W&B's final sync, a checkpoint writer's last

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import HalfPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,6 +34,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.types import DataType
 from typing_extensions import override
 
 from lightning_ett.checkpoint import sharded as ckpt
@@ -64,9 +65,9 @@ from lightning_ett.strategies.sharders import (
     FUSED_OPTIMIZERS,
     apply_fused_optimizer,
     check_fused_optimizer,
-    check_sharding_types_offered,
     default_lr,
     default_sharders,
+    explain_no_sharding_type,
 )
 from lightning_ett.strategies.sparse_2d import (
     SYNCED_KERNELS_2D,
@@ -114,7 +115,9 @@ class ETTStrategy(ParallelStrategy):
         sharders: TorchRec sharders; default: TorchRec's, with row-wise enabled on CPU.
         plan: a precomputed ``ShardingPlan`` (skips the planner).
         topology: the planner's ``Topology``; default: world size, ranks per node and device type
-            of this job with TorchRec's default memory sizes (pass one to give the real HBM).
+            of this job with TorchRec's default memory sizes (pass one to give the real HBM, built
+            with TorchRec's ``TopologyFactory.create_topology``: a ``Topology(...)`` built directly
+            works the same but logs, on every rank, that "the job will fail").
         fused_optimizer: optimizer the tables use, fused into backward: ``row_wise_adagrad``,
             ``adagrad``, ``sgd`` or ``adam`` (CUDA only: fbgemm's CPU kernels lack it). Dense
             parameters use ``configure_optimizers``.
@@ -338,9 +341,13 @@ class ETTStrategy(ParallelStrategy):
             if cached is not None:
                 self.plan_source = "cache"
                 return cached
-        check_sharding_types_offered(module, self._sharders, constraints, topology.compute_device)
         try:
             plan = compute_plan(module, topology, self._sharders, constraints, self.planner_batch_size)
+        except RuntimeError as e:
+            explained = explain_no_sharding_type(e, self._sharders, constraints)
+            if explained is None:
+                raise
+            raise ConfigurationError(explained) from e
         except PlannerError as e:
             if self._group_size is None:
                 raise
@@ -348,8 +355,9 @@ class ETTStrategy(ParallelStrategy):
                 f"ETTStrategy(sharding_group_size={self._group_size}): TorchRec's planner found no plan for one group of "
                 f"{self._group_size} ranks ({e}). In 2D it may use only the kernels the replica sync can average "
                 f"({', '.join(SYNCED_KERNELS_2D)} for sharded tables; not fused_uvm_caching or key-value), and the group "
-                f"holds every table. Give the planner the real memory (topology=Topology(world_size={self._group_size}, "
-                "hbm_cap=..., ddr_cap=...)), a larger sharding_group_size, or sharding_group_size=None (1D).") from e
+                f"holds every table. Give the planner the real memory (topology=TopologyFactory.create_topology("
+                f"TrainerConfig(world_size={self._group_size}, hbm_cap_bytes=..., ddr_cap_bytes=...), KernelConfig("
+                "compute_device=...))), a larger sharding_group_size, or sharding_group_size=None (1D).") from e
         self.plan_source = "planner"
         if self.plan_cache is not None and self.local_rank == 0:
             self.plan_cache.store(inputs, plan)
@@ -404,12 +412,30 @@ class ETTStrategy(ParallelStrategy):
         if trainer.accumulate_grad_batches > 1 and self.plan is not None:
             rank_zero_warn("ETTStrategy: the fused embedding optimizer steps in every backward; "
                            "`accumulate_grad_batches > 1` accumulates only the dense gradients.")
-        if isinstance(self.precision_plugin, HalfPrecision) and self.plan is not None:
+        self._warn_if_dense_dtype_differs_from_the_embeddings()
+
+    def _warn_if_dense_dtype_differs_from_the_embeddings(self) -> None:
+        """A "-true" precision converts the dense layers; TorchRec's sharded tables keep their configs' data_type and
+        return float32 embeddings unless a table's plan or its sharder sets an output dtype."""
+        if isinstance(self.precision_plugin, HalfPrecision):
             dtype = self.precision_plugin._desired_input_dtype
+        elif isinstance(self.precision_plugin, DoublePrecision):
+            dtype = torch.float64
+        else:
+            return
+        if self.plan is None:
+            return
+        if any((getattr(s, "fused_params", None) or {}).get("output_dtype") is not None for s in self._sharders):
+            return  # the user chose the output dtype for a sharder's tables
+        shardings = [(name, sharding) for module_plan in self.plan.plan.values()
+                     for name, sharding in module_plan.items()]  # type: ignore[union-attr]
+        tables = sorted(name for name, sharding in shardings if sharding.output_dtype in (None, DataType.FP32))
+        if tables:
             rank_zero_warn(f"ETTStrategy: precision={self.precision_plugin.precision!r} converts the dense layers to {dtype}, "
-                           "but TorchRec's sharded tables keep their configs' data_type and return float32 embeddings: "
-                           f"cast them before a dense layer (`emb.to({dtype})`), or use a mixed precision (e.g. "
-                           "precision='bf16-mixed').")
+                           f"but TorchRec's sharded tables return float32 embeddings ({', '.join(tables[:5])}"
+                           f"{', ...' if len(tables) > 5 else ''}) unless their output dtype is set: cast them before a "
+                           f"dense layer (`emb.to({dtype})`) if your step does not already, or use a mixed precision "
+                           "(e.g. precision='bf16-mixed').")
 
     def _replan_if_tables_changed(self, module: pl.LightningModule) -> None:
         """Tables built in ``setup()`` or by Lightning's ``configure_model`` call appear only after

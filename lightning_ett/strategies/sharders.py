@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import torch
@@ -79,23 +80,38 @@ def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) 
         apply_optimizer_in_backward(FUSED_OPTIMIZERS[name], params, kwargs)
 
 
-def check_sharding_types_offered(module: nn.Module, sharders: list[ModuleSharder[nn.Module]],
-                                 constraints: dict[str, Any], device_type: str) -> None:
-    """Fail naming the table, what it asked and what its sharder offers here, where TorchRec's enumerator would raise
-    "No available sharding type ..." after a warning buried in its log: only where no asked type is offered at all
-    (e.g. ``table_row_wise`` for an ``EmbeddingCollection`` on CPU), so no plan TorchRec would find is refused."""
-    by_type = {sharder.module_type: sharder for sharder in sharders}
-    for sub in embedding_modules(module):
-        sharder = by_type.get(type(sub))
-        if sharder is None:
-            continue
-        offered = list(sharder.sharding_types(device_type))
-        configs = sub.embedding_bag_configs() if hasattr(sub, "embedding_bag_configs") else sub.embedding_configs()
-        for config in configs:
-            asked = list(getattr(constraints.get(config.name), "sharding_types", None) or [])
-            if asked and not set(asked) & set(offered):
-                raise ConfigurationError(
-                    f"ETTStrategy: table {config.name!r} ({type(sub).__name__}) is constrained to sharding type(s) "
-                    f"{asked}, but {type(sharder).__name__} offers only {offered} on {device_type}. Pass "
-                    f"sharding_type= (or constraints={{{config.name!r}: ParameterConstraints(sharding_types=[...])}}) "
-                    f"with one of {offered}, or sharders=[...] that offer it.")
+
+#: TorchRec's enumerator, when no sharding type (and kernel) is left for a table (``planner/enumerators.py``).
+_NO_SHARDING_TYPE = re.compile(r"No available sharding type and compute kernel combination after applying user provided "
+                               r"constraints for (?P<table>.+?)\. Module: (?P<module>[\w.]+), sharder: (?P<sharder>\w+), "
+                               r"compute device: (?P<device>\w+)")
+
+
+def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.Module]],
+                             constraints: dict[str, Any]) -> str | None:
+    """What to do when TorchRec's planner found no sharding type for a table because its constraints ask only for types
+    its sharder does not offer on the device (e.g. ``table_row_wise`` for an ``EmbeddingCollection`` on CPU); ``None``
+    for any other error, which is then raised as TorchRec raised it.
+
+    Read from TorchRec's own error, not checked before planning: only the planner knows which sharder takes which
+    module (a wrapper such as ``FeatureProcessedEmbeddingBagCollection`` has its own) and which tables it skips."""
+    match = _NO_SHARDING_TYPE.search(str(error))
+    sharder = next((s for s in sharders if match and type(s).__name__ == match["sharder"]), None)
+    if match is None or sharder is None:
+        return None
+    table, device, module = match["table"], match["device"], match["module"].rsplit(".", 1)[-1]
+    offered = list(sharder.sharding_types(device))
+    asked = list(getattr(constraints.get(table), "sharding_types", None) or [])
+    if not asked or set(asked) & set(offered):
+        return None  # the types are offered: a compute-kernel constraint left nothing, which TorchRec's error says
+    hints = []
+    if ShardingType.GRID_SHARD.value in asked and isinstance(sharder, CPURowWiseEmbeddingBagCollectionSharder) \
+            and not sharder.grid:
+        hints.append("grid_shard on CPU needs 2D sparse parallelism (sharding_group_size=K)")
+    if module == "EmbeddingCollection" and ShardingType.DATA_PARALLEL.value in offered:
+        hints.append("data_parallel for an EmbeddingCollection fails inside TorchRec 1.9.2 when its features' id counts "
+                     "differ: see the README's Known limitations")
+    return (f"ETTStrategy: table {table!r} ({module}) is constrained to sharding type(s) {asked}, but {match['sharder']} "
+            f"offers only {offered} on {device}. Pass sharding_type= (or constraints={{{table!r}: "
+            f"ParameterConstraints(sharding_types=[...])}}) with one of those, or sharders=[...] that offer it"
+            + (f" ({'; '.join(hints)})." if hints else "."))

@@ -262,12 +262,19 @@ def test_each_fused_optimizer_trains_the_tables_and_accumulation_is_warned_about
     assert "`accumulate_grad_batches > 1` accumulates only the dense gradients" in proc.stderr
 
 
-def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_other_precision_is(tmp_path):
-    # No false alarm first: 32-true and bf16-mixed train without the warning. Under bf16-true the dense layers are bf16
-    # and the sharded tables' output is float32: warned, naming the cast, which then trains.
-    proc = run_script(str(SCRIPTS / "precision_job.py"), "--out", str(tmp_path), timeout=300)
+@pytest.fixture(scope="module")
+def small_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """tests/scripts/precision_job.py's default cases, one fit each in one process."""
+    out = tmp_path_factory.mktemp("small_jobs")
+    proc = run_script(str(SCRIPTS / "precision_job.py"), "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_other_precision_is(small_jobs):
+    # No false alarm first: 32-true and bf16-mixed train without the warning. Under bf16-true the dense layers are bf16
+    # and the sharded tables' output is float32 by default: warned, naming the cast, which then trains.
+    r = small_jobs
     for case in ("32-true", "bf16-mixed"):
         assert r[case]["error"] is None and r[case]["steps"] == 6 and r[case]["warnings"] == [], r[case]
     warned = [w for w in r["bf16-true_cast"]["warnings"] if "return float32 embeddings" in w]
@@ -276,6 +283,16 @@ def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_oth
     assert r["bf16-true_cast"]["dense_dtype"] == "torch.bfloat16" and r["bf16-true_cast"]["table_dtype"] == "torch.float32"
     assert r["bf16-true"]["warnings"] == r["bf16-true_cast"]["warnings"]  # said before the user's step fails on it
     assert "must have the same dtype" in r["bf16-true"]["error"]
+    # a table whose output dtype the user set (TorchRec's ParameterConstraints.output_dtype): no warning, no cast needed
+    assert r["16-true_out"]["error"] is None and r["16-true_out"]["steps"] == 6 and r["16-true_out"]["warnings"] == []
+
+
+def test_a_sharding_type_the_tables_sharder_does_not_offer_fails_fit_naming_it(small_jobs):
+    r = small_jobs
+    assert r["32-true_ec_row_wise"]["error"] is None and r["32-true_ec_row_wise"]["steps"] == 6  # offered: it trains
+    error = r["32-true_ec_table_row_wise"]["error"]
+    assert error.startswith("ConfigurationError: ETTStrategy: table 't0' (EmbeddingCollection) is constrained to sharding "
+                            "type(s) ['table_row_wise'], but EmbeddingCollectionSharder offers only"), error
 
 
 def test_adam_on_cpu_is_refused_naming_the_argument_before_start_up():

@@ -146,6 +146,8 @@ def test_an_error_no_restart_can_mend_ends_the_job_at_its_first_attempt(tmp_path
     assert "gave up after 1 attempt(s)" in end["reason"] and "not retried" in end["reason"], end["reason"]
     assert "AsyncCheckpoint(every_n_train_steps=0)" in end["reason"]
     assert proc.stdout.count("AsyncCheckpoint(every_n_train_steps=0)") == 1  # the report says it once
+    (log,) = run.glob("worker_logs/node-0/*/attempt_0/0/stderr.log")  # and the rank's log too (its traceback's last line)
+    assert log.read_text().count("AsyncCheckpoint(every_n_train_steps=0)") == 1
     # A command-line usage error (argparse; LightningCLI's jsonargparse alike) is not retried either.
     typo = launch(HANG_JOB, "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--maxsteps", "3",
                   run_dir=tmp_path / "typo", max_restarts=3)
