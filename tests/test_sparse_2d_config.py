@@ -252,5 +252,6 @@ def test_a_2d_plan_the_planner_cannot_find_is_explained_with_the_topology_to_pas
     module = ebc()
     with pytest.raises(ValueError, match=r"(?s)sharding_group_size=2\): TorchRec's planner found no plan for one group of 2 "
                                          r"ranks.*topology=TopologyFactory\.create_topology\(TrainerConfig\(world_size=2, "
-                                         r"hbm_cap_bytes=\.\.\., ddr_cap_bytes=\.\.\.\)"):
+                                         r"hbm_cap_bytes=\.\.\., ddr_cap_bytes=\.\.\.\), kernel_config=KernelConfig\("
+                                         r"compute_device=\.\.\.\)\)"):
         strategy._resolve_plan(module, embedding_tables(module))

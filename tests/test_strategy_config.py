@@ -143,7 +143,7 @@ def test_a_sharding_type_the_sharder_does_not_offer_is_explained_from_torchrecs_
         try:
             compute_plan(model, topology, sharders, constraints, 64)
         except RuntimeError as err:
-            refused[sharding_type] = explain_no_sharding_type(err, sharders, constraints)
+            refused[sharding_type] = explain_no_sharding_type(err, sharders, constraints, user_constrained=set())
     name = type(model[0]).__name__
     # on CPU: grid sharding is 2D-only for bags; sequence tables have no table-row-, table-column-wise or grid sharding
     assert sorted(refused) == sorted(["grid_shard"] if bag else ["table_row_wise", "table_column_wise", "grid_shard"])
@@ -153,12 +153,18 @@ def test_a_sharding_type_the_sharder_does_not_offer_is_explained_from_torchrecs_
                                "offers only ['data_parallel', 'table_wise'"), said
     assert ("needs 2D sparse parallelism (sharding_group_size=K)" in refused["grid_shard"]) is bag
     assert ("fails inside TorchRec 1.9.2" in refused["grid_shard"]) is not bag
+    assert all("Pass sharding_type= (or constraints=" in said for said in refused.values())
+    constraints = {"t1": ParameterConstraints(sharding_types=["grid_shard"])}  # the user's own constraints for t1:
+    with pytest.raises(RuntimeError) as err:  # sharding_type= would not apply to it, so the fix names them
+        compute_plan(model, topology, sharders, constraints, 64)
+    assert "Give constraints['t1'] sharding_types with one of those" in explain_no_sharding_type(err.value, sharders,
+                                                                                                 constraints, {"t1"})
     # an offered type whose compute kernel the constraints rule out: TorchRec's error stands (it names the kernel)
     constraints = {"t1": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["key_value"])}
     with pytest.raises(RuntimeError, match="No available sharding type") as err:
         compute_plan(model, topology, sharders, constraints, 64)
-    assert explain_no_sharding_type(err.value, sharders, constraints) is None
-    assert explain_no_sharding_type(RuntimeError("something else"), sharders, constraints) is None
+    assert explain_no_sharding_type(err.value, sharders, constraints, {"t1"}) is None
+    assert explain_no_sharding_type(RuntimeError("something else"), sharders, constraints, {"t1"}) is None
 
 
 def test_a_wrapper_modules_own_sharder_plans_what_the_inner_modules_sharder_would_not():

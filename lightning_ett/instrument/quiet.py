@@ -48,7 +48,7 @@ def loggers_at_error(*names: str) -> Iterator[None]:
 UPSTREAM_DEPRECATIONS: tuple[tuple[str, str], ...] = (
     (r"HeuristicalStorageReservation is known to cause issues", r"torchrec\."),  # the planner's default reservation
     (r"`broadcast_buffers` is deprecated", r"torchrec\."),  # the argument DMP passes to DDP
-    (r"Please use DTensor instead and we are deprecating ShardedTensor", r"(torch|torchrec|lightning_ett)\."),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", r"(torch|torchrec|lightning|lightning_ett)\."),
     (r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", r"torch\.distributed\."),  # row-wise, TorchRec's
     (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\."),  # comm ops
 )

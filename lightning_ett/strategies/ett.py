@@ -34,7 +34,6 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
-from torchrec.types import DataType
 from typing_extensions import override
 
 from lightning_ett.checkpoint import sharded as ckpt
@@ -67,6 +66,7 @@ from lightning_ett.strategies.sharders import (
     check_fused_optimizer,
     default_lr,
     default_sharders,
+    embedding_output_dtypes,
     explain_no_sharding_type,
 )
 from lightning_ett.strategies.sparse_2d import (
@@ -344,7 +344,7 @@ class ETTStrategy(ParallelStrategy):
         try:
             plan = compute_plan(module, topology, self._sharders, constraints, self.planner_batch_size)
         except RuntimeError as e:
-            explained = explain_no_sharding_type(e, self._sharders, constraints)
+            explained = explain_no_sharding_type(e, self._sharders, constraints, set(self.constraints))
             if explained is None:
                 raise
             raise ConfigurationError(explained) from e
@@ -356,8 +356,8 @@ class ETTStrategy(ParallelStrategy):
                 f"{self._group_size} ranks ({e}). In 2D it may use only the kernels the replica sync can average "
                 f"({', '.join(SYNCED_KERNELS_2D)} for sharded tables; not fused_uvm_caching or key-value), and the group "
                 f"holds every table. Give the planner the real memory (topology=TopologyFactory.create_topology("
-                f"TrainerConfig(world_size={self._group_size}, hbm_cap_bytes=..., ddr_cap_bytes=...), KernelConfig("
-                "compute_device=...))), a larger sharding_group_size, or sharding_group_size=None (1D).") from e
+                f"TrainerConfig(world_size={self._group_size}, hbm_cap_bytes=..., ddr_cap_bytes=...), kernel_config="
+                "KernelConfig(compute_device=...))), a larger sharding_group_size, or sharding_group_size=None (1D).") from e
         self.plan_source = "planner"
         if self.plan_cache is not None and self.local_rank == 0:
             self.plan_cache.store(inputs, plan)
@@ -401,6 +401,7 @@ class ETTStrategy(ParallelStrategy):
             self.model = self._dmp  # sharded by an earlier stage of this Trainer
         else:
             self._replan_if_tables_changed(module)
+            self._warn_if_dense_dtype_differs_from_the_embeddings()
             with _fbgemm_width_is_configuration():
                 self._wrap(module)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -412,11 +413,10 @@ class ETTStrategy(ParallelStrategy):
         if trainer.accumulate_grad_batches > 1 and self.plan is not None:
             rank_zero_warn("ETTStrategy: the fused embedding optimizer steps in every backward; "
                            "`accumulate_grad_batches > 1` accumulates only the dense gradients.")
-        self._warn_if_dense_dtype_differs_from_the_embeddings()
 
     def _warn_if_dense_dtype_differs_from_the_embeddings(self) -> None:
         """A "-true" precision converts the dense layers; TorchRec's sharded tables keep their configs' data_type and
-        return float32 embeddings unless a table's plan or its sharder sets an output dtype."""
+        return float32 embeddings unless a table's plan sets another output dtype."""
         if isinstance(self.precision_plugin, HalfPrecision):
             dtype = self.precision_plugin._desired_input_dtype
         elif isinstance(self.precision_plugin, DoublePrecision):
@@ -425,17 +425,15 @@ class ETTStrategy(ParallelStrategy):
             return
         if self.plan is None:
             return
-        if any((getattr(s, "fused_params", None) or {}).get("output_dtype") is not None for s in self._sharders):
-            return  # the user chose the output dtype for a sharder's tables
-        shardings = [(name, sharding) for module_plan in self.plan.plan.values()
-                     for name, sharding in module_plan.items()]  # type: ignore[union-attr]
-        tables = sorted(name for name, sharding in shardings if sharding.output_dtype in (None, DataType.FP32))
-        if tables:
-            rank_zero_warn(f"ETTStrategy: precision={self.precision_plugin.precision!r} converts the dense layers to {dtype}, "
-                           f"but TorchRec's sharded tables return float32 embeddings ({', '.join(tables[:5])}"
-                           f"{', ...' if len(tables) > 5 else ''}) unless their output dtype is set: cast them before a "
-                           f"dense layer (`emb.to({dtype})`) if your step does not already, or use a mixed precision "
-                           "(e.g. precision='bf16-mixed').")
+        tables = sorted(name for name, out in embedding_output_dtypes(self.plan).items() if out != dtype)
+        if not tables:
+            return
+        other = "set their output dtype to it (ParameterConstraints(output_dtype=...)), " if dtype != torch.float64 else ""
+        rank_zero_warn(f"ETTStrategy: precision={self.precision_plugin.precision!r} converts the dense layers to {dtype}, "
+                       f"but TorchRec's sharded tables return their embeddings in another dtype (float32 unless set; "
+                       f"{', '.join(tables[:5])}{', ...' if len(tables) > 5 else ''}): cast them before a dense layer "
+                       f"(`emb.to({dtype})`) if your step does not already, {other}or use a mixed precision (e.g. "
+                       "precision='bf16-mixed').")
 
     def _replan_if_tables_changed(self, module: pl.LightningModule) -> None:
         """Tables built in ``setup()`` or by Lightning's ``configure_model`` call appear only after

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import ModuleSharder, ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -88,7 +90,7 @@ _NO_SHARDING_TYPE = re.compile(r"No available sharding type and compute kernel c
 
 
 def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.Module]],
-                             constraints: dict[str, Any]) -> str | None:
+                             constraints: dict[str, Any], user_constrained: set[str]) -> str | None:
     """What to do when TorchRec's planner found no sharding type for a table because its constraints ask only for types
     its sharder does not offer on the device (e.g. ``table_row_wise`` for an ``EmbeddingCollection`` on CPU); ``None``
     for any other error, which is then raised as TorchRec raised it.
@@ -96,8 +98,12 @@ def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.M
     Read from TorchRec's own error, not checked before planning: only the planner knows which sharder takes which
     module (a wrapper such as ``FeatureProcessedEmbeddingBagCollection`` has its own) and which tables it skips."""
     match = _NO_SHARDING_TYPE.search(str(error))
-    sharder = next((s for s in sharders if match and type(s).__name__ == match["sharder"]), None)
-    if match is None or sharder is None:
+    if match is None:
+        return None
+    # the sharder TorchRec used: its map by module type keeps the last sharder given for a type
+    sharder = next((s for s in reversed(sharders) if sharder_name(s.module_type) == match["module"]
+                    and type(s).__name__ == match["sharder"]), None)
+    if sharder is None:
         return None
     table, device, module = match["table"], match["device"], match["module"].rsplit(".", 1)[-1]
     offered = list(sharder.sharding_types(device))
@@ -111,7 +117,17 @@ def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.M
     if module == "EmbeddingCollection" and ShardingType.DATA_PARALLEL.value in offered:
         hints.append("data_parallel for an EmbeddingCollection fails inside TorchRec 1.9.2 when its features' id counts "
                      "differ: see the README's Known limitations")
+    fix = (f"Give constraints[{table!r}] sharding_types" if table in user_constrained else  # they replace sharding_type
+           f"Pass sharding_type= (or constraints={{{table!r}: ParameterConstraints(sharding_types=[...])}})")
     return (f"ETTStrategy: table {table!r} ({module}) is constrained to sharding type(s) {asked}, but {match['sharder']} "
-            f"offers only {offered} on {device}. Pass sharding_type= (or constraints={{{table!r}: "
-            f"ParameterConstraints(sharding_types=[...])}}) with one of those, or sharders=[...] that offer it"
+            f"offers only {offered} on {device}. {fix} with one of those, or sharders=[...] that offer it"
             + (f" ({'; '.join(hints)})." if hints else "."))
+
+
+
+def embedding_output_dtypes(plan: ShardingPlan) -> dict[str, torch.dtype]:
+    """The dtype each planned table's embeddings come out in: its plan's (``ParameterConstraints.output_dtype``), else
+    float32. Not a sharder's ``fused_params["output_dtype"]``: on CPU (fbgemm 1.8, TorchRec 1.9.2) a table-wise table
+    still returned float32 with it (tests/scripts/precision_job.py's ``fused`` case), so it cannot vouch for one."""
+    return {name: data_type_to_dtype(sharding.output_dtype) if sharding.output_dtype is not None else torch.float32
+            for module_plan in plan.plan.values() for name, sharding in module_plan.items()}  # type: ignore[union-attr]

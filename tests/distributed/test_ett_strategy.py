@@ -277,7 +277,7 @@ def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_oth
     r = small_jobs
     for case in ("32-true", "bf16-mixed"):
         assert r[case]["error"] is None and r[case]["steps"] == 6 and r[case]["warnings"] == [], r[case]
-    warned = [w for w in r["bf16-true_cast"]["warnings"] if "return float32 embeddings" in w]
+    warned = [w for w in r["bf16-true_cast"]["warnings"] if "return their embeddings in another dtype" in w]
     assert len(warned) == 1 and "precision='bf16-true'" in warned[0] and "emb.to(torch.bfloat16)" in warned[0], r
     assert r["bf16-true_cast"]["error"] is None and r["bf16-true_cast"]["steps"] == 6
     assert r["bf16-true_cast"]["dense_dtype"] == "torch.bfloat16" and r["bf16-true_cast"]["table_dtype"] == "torch.float32"
@@ -285,6 +285,11 @@ def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_oth
     assert "must have the same dtype" in r["bf16-true"]["error"]
     # a table whose output dtype the user set (TorchRec's ParameterConstraints.output_dtype): no warning, no cast needed
     assert r["16-true_out"]["error"] is None and r["16-true_out"]["steps"] == 6 and r["16-true_out"]["warnings"] == []
+    # a sharder's fused output_dtype does not change it here (fbgemm's CPU kernel): warned, and the step fails on it
+    assert len(r["16-true_fused"]["warnings"]) == 1 and "must have the same dtype" in r["16-true_fused"]["error"]
+    # 64-true: the same mismatch, warned with the cast (no float64 output dtype to set), which trains
+    (warned,) = r["64-true_cast"]["warnings"]
+    assert "emb.to(torch.float64)" in warned and "output_dtype" not in warned and r["64-true_cast"]["steps"] == 6
 
 
 def test_a_sharding_type_the_tables_sharder_does_not_offer_fails_fit_naming_it(small_jobs):

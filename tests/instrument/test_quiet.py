@@ -25,6 +25,8 @@ def test_only_the_named_upstream_deprecations_are_hidden():
         upstream("HeuristicalStorageReservation is known to cause issues, ...", "torchrec.distributed.planner.planners")
         upstream("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.", "torchrec.distributed.model_parallel")
         upstream("`torch.distributed.all_gather_into_tensor` is deprecated. ...", "torch.distributed.c10d_logger")
+        upstream("`torch.distributed.reduce_scatter_tensor` is deprecated. ...", "torch.distributed.c10d_logger")
+        upstream("Please use DTensor instead and we are deprecating ShardedTensor.", "lightning.fabric.utilities.apply_func")
         shown = [  # each of these is shown:
             ("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.", "my_model", FutureWarning),  # yours
             ("Please use DTensor instead and we are deprecating ShardedTensor.", "my_model", FutureWarning),

@@ -1,9 +1,11 @@
 """One rank of ETTStrategy training a small sharded model, once per case (real TorchRec, gloo).
 
-Each case is ``PRECISION`` followed by options, ``:``-separated: ``cast`` (the model casts the
-embeddings to its own dtype before its dense layer), ``ec`` (an EmbeddingCollection instead of an
-EmbeddingBagCollection), ``out`` (the table's output dtype set to the precision's; fbgemm's CPU
-kernels have fp16, not bf16), a sharding type (``sharding_type=`` for every table).
+Each case is ``PRECISION`` followed by options, ``:``-separated:
+``cast``: the model casts the embeddings to its own dtype before its dense layer;
+``ec``: an EmbeddingCollection instead of an EmbeddingBagCollection;
+``out``: the table's output dtype set to the precision's (fbgemm's CPU kernels have fp16, not bf16);
+``fused``: fp16 output set in the sharder's fused params instead;
+any other: a sharding type (``sharding_type=`` for every table).
 For each it writes to OUT/<case>.json (``:`` as ``_``): the strategy's warnings, the dtypes and steps
 trained, and the error if fit failed.
 """
@@ -16,9 +18,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.types import DataType
 
@@ -60,11 +64,13 @@ class Tiny(LightningModule):
 
 def run(case: str) -> dict:
     precision, *options = case.split(":")
-    sharding_type = next((o for o in options if o not in ("cast", "ec", "out")), None)
+    sharding_type = next((o for o in options if o not in ("cast", "ec", "out", "fused")), None)
     model = Tiny(cast="cast" in options, sequence="ec" in options)
     # "out": the table's output dtype set to the precision's (TorchRec's ParameterConstraints.output_dtype)
     output = {"t0": ParameterConstraints(output_dtype=DataType.BF16 if "bf16" in precision else DataType.FP16)}
-    strategy = ETTStrategy(sharding_type=sharding_type, constraints=output if "out" in options else None)
+    # "fused": fp16 output set in the sharder's fused params instead
+    sharders = [EmbeddingBagCollectionSharder(fused_params={"output_dtype": SparseType.FP16})] if "fused" in options else None
+    strategy = ETTStrategy(sharding_type=sharding_type, constraints=output if "out" in options else None, sharders=sharders)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision,
                       max_steps=6, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
@@ -88,7 +94,8 @@ def run(case: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--cases", default="32-true,bf16-mixed,bf16-true:cast,bf16-true,16-true:out,32-true:ec:row_wise,"
+    p.add_argument("--cases", default="32-true,bf16-mixed,bf16-true:cast,bf16-true,16-true:out,16-true:fused,64-true:cast,"
+                                        "32-true:ec:row_wise,"
                                         "32-true:ec:table_row_wise")
     args = p.parse_args()
     out = Path(args.out)
