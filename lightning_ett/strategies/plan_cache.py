@@ -132,8 +132,8 @@ def compute_plan(
     """Run TorchRec's planner locally (no process group, so no collective).
 
     Its storage reservation (TorchRec's default) warns on every plan that its dense-size estimate can be wrong in a
-    dry run, where tensors are not materialized; ETTStrategy plans the real model and offers no estimate to pass, so
-    that logger is held at ERROR while planning."""
+    dry run, where tensors are not materialized. That estimate is numel x element size of the dense parameters, which
+    meta tensors have too, and ETTStrategy offers no estimate to pass: that logger is held at ERROR while planning."""
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints or None)
     with loggers_at_error("torchrec.distributed.planner.storage_reservations"):
         return planner.plan(module, sharders)

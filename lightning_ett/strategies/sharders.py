@@ -82,7 +82,6 @@ def apply_fused_optimizer(module: nn.Module, name: str, kwargs: dict[str, Any]) 
         apply_optimizer_in_backward(FUSED_OPTIMIZERS[name], params, kwargs)
 
 
-
 #: TorchRec's enumerator, when no sharding type (and kernel) is left for a table (``planner/enumerators.py``).
 _NO_SHARDING_TYPE = re.compile(r"No available sharding type and compute kernel combination after applying user provided "
                                r"constraints for (?P<table>.+?)\. Module: (?P<module>[\w.]+), sharder: (?P<sharder>\w+), "
@@ -122,7 +121,6 @@ def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.M
     return (f"ETTStrategy: table {table!r} ({module}) is constrained to sharding type(s) {asked}, but {match['sharder']} "
             f"offers only {offered} on {device}. {fix} with one of those, or sharders=[...] that offer it"
             + (f" ({'; '.join(hints)})." if hints else "."))
-
 
 
 def embedding_output_dtypes(plan: ShardingPlan) -> dict[str, torch.dtype]:
