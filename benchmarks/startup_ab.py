@@ -1,13 +1,13 @@
 """A/B of ETTStrategy's start-up between two checkouts: did a change to the package slow it?
 
-    .venv/bin/python benchmarks/startup_ab.py ROOT_A ROOT_B [--rounds 6] [--tables 150]
+    .venv/bin/python benchmarks/startup_ab.py ROOT_A ROOT_B [ROOT_A] [--rounds 6] [--tables 150]
 
-Each root is a checkout of this repository (e.g. ``git worktree add --detach /tmp/a REV``). Both arms
-run `startup_overlap.py`'s sequential arm (a fresh 2-rank job under ``lightning run`` of a DLRM with
-150 tables: planning takes real time), each with its own root's package, alternating which goes
-first every round. Per arm: fit -> first step and the sharding_plan phase of the slower rank,
-medians (min-max) and every round. Not a goal's figure: a regression check, with the two arms as
-each other's control.
+Each root is a checkout of this repository (e.g. ``git worktree add --detach /tmp/a REV``); name the
+first again for an A/A control (the noise floor). Every arm runs `startup_overlap.py`'s sequential
+arm (a fresh 2-rank job under ``lightning run`` of a DLRM with 150 tables: planning takes real time)
+with its own root's package, in a rotated order every round (`spread.round_order`). Per arm: fit ->
+first step and the sharding_plan phase of the slower rank, medians (min-max), every round, and each
+arm's per-round ratio to the first. Not a goal's figure: a regression check.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from benchmarks.spread import round_order
 from lightning_ett.instrument.ledger import read_ledger
 
 
@@ -36,27 +37,30 @@ def startup_overlap_of(root: Path, name: str) -> ModuleType:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("roots", nargs=2, type=Path)
+    parser.add_argument("roots", nargs="+", type=Path)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tables", type=int, default=150)
     args = parser.parse_args()
-    arms = {str(root): startup_overlap_of(root.resolve(), f"startup_overlap_{i}") for i, root in enumerate(args.roots)}
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
+    arms = [(f"{i}:{root}", startup_overlap_of(root.resolve(), f"startup_overlap_{i}")) for i, root in enumerate(args.roots)]
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in arms}
     for r in range(args.rounds):
-        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+        for i in round_order(list(range(len(arms))), r):
+            name, module = arms[i]
             out = Path(tempfile.mkdtemp(prefix="startup_ab_"))
-            ranks = arms[name].one_run(out, False, args.tables, "lightning-run")
+            ranks = module.one_run(out, False, args.tables, "lightning-run")
             plan = max(sum(e["end"] - e["start"] for e in lg.events if e["phase"] == "sharding_plan")
                        for lg in read_ledger(out / "ett"))
             job = max(v["to_first_step"] for v in ranks.values())
             runs[name].append((job, plan))
             print(f"round {r + 1} {name}: fit -> first step {job:.2f} s, sharding_plan {plan:.3f} s", flush=True)
+    first = arms[0][0]
     for name, values in runs.items():
         for i, what in enumerate(("fit -> first step", "sharding_plan")):
             xs = [v[i] for v in values]
-            print(f"{name}: {what} median {statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f}); "
-                  f"every round {', '.join(f'{x:.3f}' for x in xs)}")
-
+            ratios = [x / base[i] for x, base in zip(xs, runs[first])]
+            print(f"{name}: {what} median {statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f}); every round "
+                  f"{', '.join(f'{x:.3f}' for x in xs)}; / arm 0 per round median {statistics.median(ratios):.3f} "
+                  f"({min(ratios):.3f}-{max(ratios):.3f})")
 
 if __name__ == "__main__":
     main()
