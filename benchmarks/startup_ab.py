@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.spread import round_order
+from benchmarks.spread import median_range, round_order
 from lightning_ett.instrument.ledger import read_ledger
 
 
@@ -58,9 +57,9 @@ def main() -> None:
         for i, what in enumerate(("fit -> first step", "sharding_plan")):
             xs = [v[i] for v in values]
             ratios = [x / base[i] for x, base in zip(xs, runs[first])]
-            print(f"{name}: {what} median {statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f}); every round "
-                  f"{', '.join(f'{x:.3f}' for x in xs)}; / arm 0 per round median {statistics.median(ratios):.3f} "
-                  f"({min(ratios):.3f}-{max(ratios):.3f})")
+            print(f"{name}: {what} median {median_range(xs, '.3f')} s; every round {', '.join(f'{x:.3f}' for x in xs)}; "
+                  f"/ arm 0 per round median {median_range(ratios, '.3f')}")
+
 
 if __name__ == "__main__":
     main()
