@@ -89,3 +89,38 @@ def test_a_failure_naming_another_nodes_address_names_that_node():
     launcher[-1]["reason"] = "exit code 1: RuntimeError: Read error [10.231.7.20]:58518"
     s = summarize([ledger(0, 0, [("train", 1.0, 2.0, 0)], job_start=0.0)], launcher=launcher)
     assert s.attempts[0].failure.endswith("[10.231.7.20]:58518")  # another address, however alike
+
+
+def _partition(rank1_events: list[tuple]) -> dict[int, dict[str, float]]:
+    """Node 1 (rank 1) was last heard at 10; node 0 stopped the attempt at 27; attempt 1 started at 72."""
+    launcher = [
+        {"kind": "launch", "time": 0.0, "node_rank": 0, "address": "10.231.7.1"},
+        {"kind": "attempt", "attempt": 0, "time": 0.5, "node_rank": 0},
+        {"kind": "node_lost", "node_rank": 1, "address": "10.231.7.2", "since": 10.0, "time": 25.0, "attempt": 0},
+        {"kind": "failure", "attempt": 0, "time": 27.0, "rank": 0, "exitcode": -9, "root_cause": True,
+         "reason": "node 1 (10.231.7.2) stopped responding", "node_lost": 1},
+        {"kind": "attempt", "attempt": 1, "time": 72.0, "node_rank": 0},
+        {"kind": "end", "time": 80.0, "exitcode": 0, "reason": "finished"},
+    ]
+    rank0 = ledger(0, 0, [("train", 1.0, 9.0, 0), ("train", 9.0, 11.0, 1)], job_start=0.0)
+    rank1 = ledger(0, 1, [("train", 1.0, 9.0, 0), *rank1_events], job_start=0.0)
+    again = [ledger(1, r, [("train", 73.0, 79.0, 0)], status="finished") for r in (0, 1)]
+    return summarize([rank0, rank1, *again], launcher=launcher).per_rank
+
+
+def test_a_lost_node_owns_its_window_whether_the_partition_cut_a_step_or_a_save_recorded_as_it_unwound():
+    # A step cut by the partition is never recorded; a save blocked on the lost node is, when it fails once the
+    # link is back (70): both wait on node 1, so the window 10..72 is node_lost either way, on every rank.
+    cut_step = _partition([("train", 9.0, 11.0, 1)])
+    cut_save = _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 70.0), ("shutdown", 70.0, 70.5)])
+    straddling = _partition([("checkpoint_save", 9.0, 70.0)])  # begun before the last heartbeat: its head is its own
+    for per_rank in (cut_step, straddling):
+        assert per_rank[0]["node_lost"] == pytest.approx(62.0) and per_rank[1]["node_lost"] == pytest.approx(62.0)
+    assert straddling[1]["checkpoint_save"] == pytest.approx(1.0)
+    # The stalled save's 59 s are the loss's; the rank's own shutdown after the stop stays its own.
+    assert cut_save[1]["checkpoint_save"] == 0.0
+    assert cut_save[1]["shutdown"] == pytest.approx(cut_step[1]["shutdown"] + 0.5)
+    assert cut_save[1]["node_lost"] == pytest.approx(61.5)
+    # A save that finished before the attempt was stopped did its work: it keeps its time.
+    done = _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 12.0)])
+    assert done[1]["checkpoint_save"] == pytest.approx(1.0) and done[1]["node_lost"] == pytest.approx(61.0)

@@ -18,7 +18,9 @@ Rules (also in the README's "How ETT% is measured"):
   progress to the kill: what waiting for the hang cost.
 * A node lost in a multi-node job (node 0's launcher: ``node_lost``) is ``node_lost`` on every rank,
   from its last heartbeat to the start of the next attempt: noticing it and waiting for it, or a
-  replacement, to rejoin. The steps re-run after it are ``lost``, as after any failure.
+  replacement, to rejoin. The steps re-run after it are ``lost``, as after any failure. A rank's
+  event still open when the attempt was stopped (a save blocked on the lost node, recorded as it
+  unwound) does not own that window: it was the wait, not the work.
 """
 
 from __future__ import annotations
@@ -201,8 +203,9 @@ def _hang_events(launcher: list[dict[str, Any]]) -> dict[tuple[int, int], list[t
     return found
 
 
-def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``node_lost`` records whose attempt then failed (at or after the node's last heartbeat, before it was back).
+def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
+    """``node_lost`` records whose attempt then failed (at or after the node's last heartbeat, before it was back),
+    each with the time of that failure.
 
     A node silent while the ranks trained on (a blip on the store's network) ended nothing: not charged."""
     backs = [r for r in launcher if r.get("kind") == "node_back"]
@@ -216,9 +219,10 @@ def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[dict[str
             continue
         back = min((float(b["time"]) for b in backs if b.get("node_rank") == node and float(b["time"]) > since),
                    default=float("inf"))
-        if any(r.get("kind") == "failure" and r.get("attempt") == attempt
-               and since - HEARTBEAT_SLACK_S <= float(r["time"]) <= back for r in launcher):
-            ended.append(record)
+        failed = [float(r["time"]) for r in launcher if r.get("kind") == "failure" and r.get("attempt") == attempt
+                  and since - HEARTBEAT_SLACK_S <= float(r["time"]) <= back]
+        if failed:
+            ended.append((record, min(failed)))
     return ended
 
 
@@ -227,7 +231,7 @@ def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
     """``(attempt, rank) -> [("node_lost", last heartbeat, next attempt's start)]`` for every rank of the attempt."""
     starts = sorted((float(r["time"]), int(r["attempt"])) for r in launcher if r.get("kind") == "attempt")
     found: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
-    for record in _losses_that_ended_attempts(launcher):
+    for record, _ in _losses_that_ended_attempts(launcher):
         attempt, since = int(record["attempt"]), float(record["since"])
         until = min((t for t, a in starts if a > attempt and t > since), default=job_end)
         for ledger in ledgers:
@@ -236,9 +240,31 @@ def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
     return found
 
 
+def _stalled_by_lost_nodes(launcher: list[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
+    """``attempt -> [(last heartbeat, failure)]``: a rank's event of that attempt that began before the failure and
+    was still open at it waited on the lost node (recorded as it unwound); it does not own the ``node_lost`` window.
+
+    Without this, whether the window is charged to the loss depended on what the partition interrupted: a step
+    (never recorded) or a save (recorded when it failed, 60 s later, and innermost)."""
+    found: dict[int, list[tuple[float, float]]] = {}
+    for record, failed in _losses_that_ended_attempts(launcher):
+        found.setdefault(int(record["attempt"]), []).append((float(record["since"]), failed))
+    return found
+
+
+def _clip_stalled(start: float, end: float, stalls: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(start, end)`` less any part after a lost node's last heartbeat, when the event was still open at the
+    attempt's failure (:func:`_stalled_by_lost_nodes`); ``end <= start`` when nothing is left."""
+    for since, failed in stalls:
+        if start < failed < end:
+            end = min(end, max(since, start))
+    return start, end
+
+
 def _rank_segments(
     ledgers: list[RankLedger], resume: dict[int, int], job_start: float, job_end: float,
     extra: dict[tuple[int, int], list[tuple[str, float, float]]] | None = None,
+    stalls: dict[int, list[tuple[float, float]]] | None = None,
 ) -> list[Segment]:
     segments: list[Segment] = []
     cursor = job_start
@@ -247,7 +273,7 @@ def _rank_segments(
         events = [(p, max(s, cursor), e) for p, s, e in (extra or {}).get((ledger.attempt, ledger.rank), [])
                   if e > max(s, cursor)]
         for e in ledger.events:
-            start, end = max(e["start"], cursor), e["end"]
+            start, end = _clip_stalled(max(e["start"], cursor), e["end"], (stalls or {}).get(ledger.attempt, []))
             if end <= start:
                 continue
             phase = e["phase"]
@@ -299,7 +325,9 @@ def summarize(
     hangs = _hang_events(launcher)
     for key, events in _node_lost_events(ledgers, launcher, job_end).items():
         hangs.setdefault(key, []).extend(events)
-    segments = {rank: _rank_segments(lgs, resume, job_start, job_end, hangs) for rank, lgs in sorted(by_rank.items())}
+    stalls = _stalled_by_lost_nodes(launcher)
+    segments = {rank: _rank_segments(lgs, resume, job_start, job_end, hangs, stalls)
+                for rank, lgs in sorted(by_rank.items())}
     per_rank: dict[int, dict[str, float]] = {}
     for rank, segs in segments.items():
         totals = dict.fromkeys(PHASE_NAMES, 0.0)
@@ -360,7 +388,7 @@ def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list
     started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
     finished = _finished_by_launcher(launcher)
     stops = stopped_attempts(launcher)
-    ended_by_loss = _losses_that_ended_attempts(launcher)  # (once, not per attempt: it scans every record)
+    ended_by_loss = [r for r, _ in _losses_that_ended_attempts(launcher)]  # (once: it scans every record)
     node_addresses = _node_addresses(launcher)
     failures: dict[int, list[dict[str, Any]]] = {}
     for r in launcher:
