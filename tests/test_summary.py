@@ -121,6 +121,10 @@ def test_a_lost_node_owns_its_window_whether_the_partition_cut_a_step_or_a_save_
     assert cut_save[1]["checkpoint_save"] == 0.0
     assert cut_save[1]["shutdown"] == pytest.approx(cut_step[1]["shutdown"] + 0.5)
     assert cut_save[1]["node_lost"] == pytest.approx(61.5)
+    # A save that unwound while the stop was under way (after node 0's verdict at 25, before the failure's stamp at
+    # 27, taken once the workers were gone) waited on node 1 all the same.
+    unwound = _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 26.5)])
+    assert unwound[1]["checkpoint_save"] == 0.0 and unwound[1]["node_lost"] == pytest.approx(62.0)
     # A save that finished before the attempt was stopped did its work: it keeps its time.
     done = _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 12.0)])
     assert done[1]["checkpoint_save"] == pytest.approx(1.0) and done[1]["node_lost"] == pytest.approx(61.0)

@@ -91,7 +91,12 @@ class RankLedger:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (a hand-edited record)
+        return False
 
 
 def _integer(value: Any) -> bool:
@@ -124,9 +129,13 @@ _LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt"
 def _valid_launcher_record(record: dict[str, Any]) -> bool:
     fields = _LAUNCHER_FIELDS.get(record.get("kind"))  # type: ignore[arg-type]
     reason = record.get("reason", None if record.get("kind") == "failure" else "")  # a failure must say why
+    kind = record.get("kind")
     return (fields is not None and _number(record.get("time")) and all(_integer(record.get(k)) for k in fields)
             and isinstance(reason, str)
-            and (record.get("kind") != "launch" or _number(record.get("job_start", 0.0))))
+            and (kind != "launch" or _number(record.get("job_start", 0.0)))
+            and (kind not in ("node_lost", "node_back")
+                 or (_number(record.get("since")) and isinstance(record.get("address"), str)))
+            and (kind != "failure" or isinstance(record.get("hang", {}), dict)))
 
 
 def _read_records(path: Path) -> Iterator[dict[str, Any] | None]:

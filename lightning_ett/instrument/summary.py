@@ -205,7 +205,9 @@ def _hang_events(launcher: list[dict[str, Any]]) -> dict[tuple[int, int], list[t
 
 def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
     """``node_lost`` records whose attempt then failed (at or after the node's last heartbeat, before it was back),
-    each with the time of that failure.
+    each with the instant the attempt was being ended: node 0's verdict (the record's time, on the clock of
+    ``since``) or the attempt's first failure, whichever came first (a stop stamps its failure once the workers
+    are gone; ranks may fail on the lost peer before the verdict).
 
     A node silent while the ranks trained on (a blip on the store's network) ended nothing: not charged."""
     backs = [r for r in launcher if r.get("kind") == "node_back"]
@@ -215,6 +217,7 @@ def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[tuple[di
             continue
         try:
             attempt, since, node = int(record["attempt"]), float(record["since"]), int(record["node_rank"])
+            verdict = float(record["time"])
         except (KeyError, TypeError, ValueError):
             continue
         back = min((float(b["time"]) for b in backs if b.get("node_rank") == node and float(b["time"]) > since),
@@ -222,7 +225,7 @@ def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[tuple[di
         failed = [float(r["time"]) for r in launcher if r.get("kind") == "failure" and r.get("attempt") == attempt
                   and since - HEARTBEAT_SLACK_S <= float(r["time"]) <= back]
         if failed:
-            ended.append((record, min(failed)))
+            ended.append((record, min(verdict, *failed)))
     return ended
 
 
@@ -241,24 +244,23 @@ def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
 
 
 def _stalled_by_lost_nodes(launcher: list[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
-    """``attempt -> [(last heartbeat, failure)]``: a rank's event of that attempt that began before the failure and
-    was still open at it waited on the lost node (recorded as it unwound); it does not own the ``node_lost`` window.
+    """``attempt -> [(last heartbeat, ending)]``: a rank's event of that attempt still open when the attempt was
+    being ended (:func:`_losses_that_ended_attempts`) waited on the lost node (recorded as it unwound); it does not
+    own the ``node_lost`` window.
 
     Without this, whether the window is charged to the loss depended on what the partition interrupted: a step
     (never recorded) or a save (recorded when it failed, 60 s later, and innermost)."""
     found: dict[int, list[tuple[float, float]]] = {}
-    for record, failed in _losses_that_ended_attempts(launcher):
-        found.setdefault(int(record["attempt"]), []).append((float(record["since"]), failed))
+    for record, ending in _losses_that_ended_attempts(launcher):
+        found.setdefault(int(record["attempt"]), []).append((float(record["since"]), ending))
     return found
 
 
 def _clip_stalled(start: float, end: float, stalls: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(start, end)`` less any part after a lost node's last heartbeat, when the event was still open at the
-    attempt's failure (:func:`_stalled_by_lost_nodes`); ``end <= start`` when nothing is left."""
-    for since, failed in stalls:
-        if start < failed < end:
-            end = min(end, max(since, start))
-    return start, end
+    """``(start, end)`` less any part after a lost node's last heartbeat, when the event was still open as the
+    attempt was being ended (:func:`_stalled_by_lost_nodes`); ``end <= start`` when nothing is left. Each loss is
+    checked against the event's own end, so the order of the records does not matter."""
+    return start, min((max(since, start) for since, ending in stalls if start < ending < end), default=end)
 
 
 def _rank_segments(

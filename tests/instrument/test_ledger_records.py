@@ -29,6 +29,7 @@ BAD_LINES = [
     '{"kind":"event","phase":"warp_drive","start":1.0,"end":2.0}',  # a phase this version does not know
     '{"kind":"event","phase":"train","start":1.0,"end":Infinity}',
     '{"kind":"event","phase":"tra',  # torn by a kill mid-write
+    '{"kind":"event","phase":"train","start":1' + "0" * 400 + ',"end":2.0}',  # an int no float holds: OverflowError
 ]
 
 
@@ -50,7 +51,10 @@ def write_run(run: Path, bad: bool) -> None:
             f.write("\n".join(BAD_LINES) + "\n")
         with open(launcher_ledger_path(run, 0), "a") as f:
             f.write('[3]\n{"kind":"failure","attempt":"zero","rank":1,"time":"later"}\n{"kind":"end","time":"x"}\n'
-                    '{"kind":"failure","attempt":0,"rank":1,"time":104.5}\n')  # a failure that does not say why
+                    '{"kind":"failure","attempt":0,"rank":1,"time":104.5}\n'  # a failure that does not say why
+                    '{"kind":"node_lost","attempt":0,"node_rank":1,"since":101.0,"time":102.0}\n'  # no address
+                    '{"kind":"node_lost","attempt":0,"node_rank":1,"address":"h","time":102.0,"since":1' + "0" * 400
+                    + '}\n{"kind":"failure","attempt":0,"rank":0,"time":103.0,"reason":"x","hang":"stuck"}\n')
 
 
 def test_malformed_lines_are_skipped_and_counted_and_the_numbers_do_not_change(tmp_path, capsys):
