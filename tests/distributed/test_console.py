@@ -22,6 +22,7 @@ def example_config(tmp_path: Path, steps: int, save_every: int) -> Path:
     for callback in trainer["callbacks"]:
         if callback["class_path"].endswith("AsyncCheckpoint"):
             callback["init_args"]["every_n_train_steps"] = save_every
+            callback["init_args"]["when_busy"] = "wait"  # every save happens, however slow the disk (not 'skip')
     path = tmp_path / "dlrm.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

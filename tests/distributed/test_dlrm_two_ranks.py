@@ -46,10 +46,12 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
         assert totals["train"] > 0 and totals["eval"] > 0 and totals["model_init"] > 0 and totals["checkpoint_save"] > 0
     # Rank 1 starts after rank 0 spawned it: that wait is its `launch` time.
     assert s.per_rank[1]["launch"] > 0.5 and s.per_rank[0]["launch"] < 0.05
-    # The job's clock against an outside observer. What the ledgers cannot see is the interpreter
-    # teardown of the last rank to exit (1.2-1.5 s with TorchRec here, more on a loaded machine);
-    # test_monitor checks start and end separately and tightly, on one process.
-    assert -0.05 < (finished - started) - s.wall_s < 2.5, (s.wall_s, finished - started)
+    # The job's clock against an outside observer: it starts when the first process did (only the fork's lag
+    # after `started`) and ends at the last rank's last event, before the processes were reaped. What the ledgers
+    # cannot see is the last rank's interpreter teardown (1.2-1.5 s with TorchRec here, several on a loaded
+    # machine), so the end is bounded on one side; test_monitor checks the end tightly, on one process.
+    assert -0.05 < s.job_start - started < 1.0, (s.job_start, started)
+    assert s.job_end <= finished, (s.job_end, finished)
     assert 0 < s.ett_percent < 100
 
     (metrics_csv,) = (tmp_path / "ett_runs").rglob("metrics.csv")

@@ -169,16 +169,14 @@ def test_a_worker_runs_the_script_as_python_would(tmp_path, start):
 
 
 def signal_a_training_job(tmp_path: Path, sig: signal.Signals, *job_args: str) -> subprocess.Popen[str]:
-    """``lightning run`` of the 2-rank job, sent ``sig`` once it has trained a few seconds; returns it, exited."""
+    """``lightning run`` of the 2-rank job, sent ``sig`` once both ranks trained a few steps; returns it, exited."""
     (tmp_path / "out").mkdir()
     proc = subprocess.Popen([LIGHTNING, "run", "--devices", "2", "--run-dir", str(tmp_path / "run"), JOB, "--out",
                              str(tmp_path / "out"), "--max-steps", "100000", "--step-sleep", "0.05", "--ett-from-env",
                              *job_args], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while len(list((tmp_path / "run" / "ledger").glob("attempt-0000/rank-*.jsonl"))) < 2 and time.time() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None and time.time() < deadline, "the job never started training"
-    time.sleep(3)  # training
+    # Steps, not seconds: under the hang watch a rank's ledger exists before its start-up (which takes longer than
+    # any fixed sleep on a loaded machine), and a signal before step 0 is another case ("before training").
+    _workers_training(tmp_path / "run", proc, steps=3)
     proc.send_signal(sig)
     proc.output = proc.communicate(timeout=120)  # type: ignore[attr-defined]
     return proc

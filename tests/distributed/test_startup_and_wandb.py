@@ -15,17 +15,18 @@ JOB = str(SCRIPTS / "logger_job.py")
 
 def test_a_slow_logger_start_is_logger_init_not_process_group_init(tmp_path):
     proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"), JOB,
-                         "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "4", "--slow-logger", "2")
+                         "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "4", "--slow-logger", "6")
     assert proc.returncode == 0, proc.stderr[-4000:]
     per_rank = summarize_run_dir(tmp_path / "run").per_rank
-    # Rank 0 creates the experiment (rank_zero_experiment): its 2 s are logger_init, less only what
+    # Rank 0 creates the experiment (rank_zero_experiment): its 6 s are logger_init, less only what
     # the start-up work it overlapped hid (that share grows with host load, so they are bounded
-    # together); the process group keeps just its own time on every rank.
-    assert 1.0 <= per_rank[0]["logger_init"] <= 3.0, per_rank[0]
+    # together); the process group keeps just its own time on every rank, rendezvous waits for a
+    # slower peer included (6 s against 3: the logger's sleep is far above that noise).
+    assert 3.0 <= per_rank[0]["logger_init"] <= 7.5, per_rank[0]
     overlapped = sum(per_rank[0][p] for p in ("logger_init", "process_group_init", "sharding_plan"))
-    assert overlapped >= 1.9, per_rank[0]
+    assert overlapped >= 5.8, per_rank[0]
     for rank in (0, 1):
-        assert per_rank[rank]["process_group_init"] < 1.0, per_rank[rank]
+        assert per_rank[rank]["process_group_init"] < 3.0, per_rank[rank]
         assert per_rank[rank]["trainer_init"] > 0, per_rank[rank]
     # The logger ran in the background, overlapping the process group: both spans share wall time.
     events = next(lg for lg in read_ledger(tmp_path / "run") if lg.rank == 0).events

@@ -21,8 +21,10 @@ from tests.multihost.conftest import ETT_JOB, TwoHostJob
 EXAMPLE = [str(REPO / "examples" / "dlrm_example.py"), "fit", "--config", str(REPO / "examples" / "dlrm.yaml"),
            "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.max_steps", "24",
            "--trainer.val_check_interval", "12", "--trainer.limit_val_batches", "2"]
-#: node 0 says a node is lost within this long of its death: SILENT_S of silence, seen at the next heartbeat.
-NOTICE_WITHIN_S = SILENT_S + 2 * HEARTBEAT_S + 1
+#: node 0 says a node is lost within this long of its death: SILENT_S of silence, seen at the next heartbeat (its
+#: last beat is seen up to a heartbeat late, the silence up to another), plus each look's store operations (about 9
+#: looks in that time, slower on a loaded host) and this test's polling of the console.
+NOTICE_WITHIN_S = SILENT_S + 2 * HEARTBEAT_S + 3
 PARTITION_S = 60.0
 
 
@@ -111,7 +113,12 @@ def test_node_1_dies_whole_node_0_says_so_and_a_replacement_finishes_the_job(two
     # The wait is charged to node_lost (from node 1's last heartbeat to the restart), not to launch.
     restart = s.attempts[1].start
     assert s.phases["node_lost"] > 0.8 * (restart - s.nodes[0]["since"]) - 5, s.phases
-    assert s.phases["node_lost"] > s.phases["launch"]
+    # (Not a comparison of phase totals: launch also holds attempt 0's start-up.) Up to the first launcher's start
+    # of attempt 1; from there to its ranks' first event is that attempt's own launch.
+    since = s.nodes[0]["since"]
+    relaunch = min(r["time"] for r in read_launcher_records(tmp_path / "run") if r["kind"] == "attempt" and r["attempt"] == 1)
+    for rank, segments in s.segments.items():
+        assert not [g for g in segments if g.phase == "launch" and g.end > since and g.start < relaunch], rank
     assert s.lost_s > 0  # steps after the checkpoint ran twice
     assert "node 1" in (tmp_path / "run" / "ett_summary.json").read_text()
     if spare:
