@@ -91,18 +91,21 @@ def test_a_failure_naming_another_nodes_address_names_that_node():
     assert s.attempts[0].failure.endswith("[10.231.7.20]:58518")  # another address, however alike
 
 
-def _partition(rank1_events: list[tuple]) -> dict[int, dict[str, float]]:
-    """Node 1 (rank 1) was last heard at 10; node 0 stopped the attempt at 27; attempt 1 started at 72."""
+def _partition(rank1_events: list[tuple], failure: dict | None = None, rank0_events: tuple = ()) -> dict[int, dict[str, float]]:
+    """Node 1 (rank 1) was last heard at 10 and called lost at 25; node 0 stopped the attempt from 25.5 (SIGTERM) to
+    27 (the ranks gone: the failure's time); attempt 1 started at 72."""
+    lost = {"node": 1, "address": "10.231.7.2", "since": 10.0, "stopped": 27.0, "stopping": 25.5}
     launcher = [
         {"kind": "launch", "time": 0.0, "node_rank": 0, "address": "10.231.7.1"},
         {"kind": "attempt", "attempt": 0, "time": 0.5, "node_rank": 0},
         {"kind": "node_lost", "node_rank": 1, "address": "10.231.7.2", "since": 10.0, "time": 25.0, "attempt": 0},
-        {"kind": "failure", "attempt": 0, "time": 27.0, "rank": 0, "exitcode": -9, "root_cause": True,
-         "reason": "node 1 (10.231.7.2) stopped responding", "node_lost": 1},
+        failure or {"kind": "failure", "attempt": 0, "time": 27.0, "rank": 0, "exitcode": -9, "root_cause": True,
+                    "reason": "node 1 (10.231.7.2) stopped responding", "node_lost": lost},
         {"kind": "attempt", "attempt": 1, "time": 72.0, "node_rank": 0},
         {"kind": "end", "time": 80.0, "exitcode": 0, "reason": "finished"},
     ]
-    rank0 = ledger(0, 0, [("train", 1.0, 9.0, 0), ("train", 9.0, 11.0, 1)], job_start=0.0)
+    launcher.sort(key=lambda r: r["time"])
+    rank0 = ledger(0, 0, [("train", 1.0, 9.0, 0), ("train", 9.0, 11.0, 1), *rank0_events], job_start=0.0)
     rank1 = ledger(0, 1, [("train", 1.0, 9.0, 0), *rank1_events], job_start=0.0)
     again = [ledger(1, r, [("train", 73.0, 79.0, 0)], status="finished") for r in (0, 1)]
     return summarize([rank0, rank1, *again], launcher=launcher).per_rank
@@ -121,10 +124,20 @@ def test_a_lost_node_owns_its_window_whether_the_partition_cut_a_step_or_a_save_
     assert cut_save[1]["checkpoint_save"] == 0.0
     assert cut_save[1]["shutdown"] == pytest.approx(cut_step[1]["shutdown"] + 0.5)
     assert cut_save[1]["node_lost"] == pytest.approx(61.5)
-    # A save that unwound while the stop was under way (after node 0's verdict at 25, before the failure's stamp at
-    # 27, taken once the workers were gone) waited on node 1 all the same.
+    # A save that unwound while the stop was under way (after its SIGTERM at 25.5, before the failure's stamp at 27,
+    # taken once the ranks were gone) waited on node 1 all the same; a ledger older than the SIGTERM's time in the
+    # failure record has only the stamp.
     unwound = _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 26.5)])
     assert unwound[1]["checkpoint_save"] == 0.0 and unwound[1]["node_lost"] == pytest.approx(62.0)
+    older = {"kind": "failure", "attempt": 0, "time": 27.0, "rank": 0, "exitcode": -9, "root_cause": True,
+             "reason": "node 1 (10.231.7.2) stopped responding", "node_lost": {"node": 1, "since": 10.0, "stopped": 27.0}}
+    assert _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 26.5)], older)[1]["checkpoint_save"] == 15.5
+    # A failure of its own (an OOM at 60, not node 0's stop for the loss) ends the attempt: what the ranks finished
+    # before it, once node 1 was silent (only its store link: they trained on), keeps its phase.
+    oom = {"kind": "failure", "attempt": 0, "time": 60.0, "rank": 0, "exitcode": 1, "root_cause": True,
+           "reason": "exit code 1: torch.OutOfMemoryError"}
+    trained_on = _partition([("train", 9.0, 11.0, 1), ("eval", 20.0, 40.0)], oom, rank0_events=[("eval", 20.0, 40.0)])
+    assert trained_on[0]["eval"] == trained_on[1]["eval"] == pytest.approx(20.0)
     # A save that finished before the attempt was stopped did its work: it keeps its time.
     done = _partition([("train", 9.0, 11.0, 1), ("checkpoint_save", 11.0, 12.0)])
     assert done[1]["checkpoint_save"] == pytest.approx(1.0) and done[1]["node_lost"] == pytest.approx(61.0)

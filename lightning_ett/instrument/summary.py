@@ -205,9 +205,8 @@ def _hang_events(launcher: list[dict[str, Any]]) -> dict[tuple[int, int], list[t
 
 def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float]]:
     """``node_lost`` records whose attempt then failed (at or after the node's last heartbeat, before it was back),
-    each with the instant the attempt was being ended: node 0's verdict (the record's time, on the clock of
-    ``since``) or the attempt's first failure, whichever came first (a stop stamps its failure once the workers
-    are gone; ranks may fail on the lost peer before the verdict).
+    each with the instant the attempt was being ended: the attempt's first failure, or, when node 0 stopped it for
+    this loss, the start of that stop (its SIGTERM: the failure is stamped once the ranks are gone), if earlier.
 
     A node silent while the ranks trained on (a blip on the store's network) ended nothing: not charged."""
     backs = [r for r in launcher if r.get("kind") == "node_back"]
@@ -217,16 +216,27 @@ def _losses_that_ended_attempts(launcher: list[dict[str, Any]]) -> list[tuple[di
             continue
         try:
             attempt, since, node = int(record["attempt"]), float(record["since"]), int(record["node_rank"])
-            verdict = float(record["time"])
         except (KeyError, TypeError, ValueError):
             continue
         back = min((float(b["time"]) for b in backs if b.get("node_rank") == node and float(b["time"]) > since),
                    default=float("inf"))
-        failed = [float(r["time"]) for r in launcher if r.get("kind") == "failure" and r.get("attempt") == attempt
-                  and since - HEARTBEAT_SLACK_S <= float(r["time"]) <= back]
-        if failed:
-            ended.append((record, min(verdict, *failed)))
+        failures = [r for r in launcher if r.get("kind") == "failure" and r.get("attempt") == attempt
+                    and since - HEARTBEAT_SLACK_S <= float(r["time"]) <= back]
+        if failures:
+            ended.append((record, min([float(r["time"]) for r in failures] + _stops_for(failures, node))))
     return ended
+
+
+def _stops_for(failures: list[dict[str, Any]], node: int) -> list[float]:
+    """When node 0's stops of an attempt for ``node``'s loss began (``failure["node_lost"]["stopping"]``; ledgers
+    older than it have only the failure's own time)."""
+    stops = []
+    for failure in failures:
+        lost = failure.get("node_lost")
+        if isinstance(lost, dict) and lost.get("node") == node:
+            with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError):
+                stops.append(float(lost["stopping"]))
+    return stops
 
 
 def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],

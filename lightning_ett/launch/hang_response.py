@@ -313,8 +313,9 @@ class HangWatch:
     def _node_lost(self, lost: tuple[int, str, float], ranks: dict[int, RankProgress],
                    pids: dict[int, int]) -> NodeLostVerdict:
         node, address, since = lost
+        stopping = time.time()
         stopped = stop_processes(list(pids.values()), self.options.grace_s)
-        return NodeLostVerdict(self._attempt, node, address, since, stopped, sorted(ranks))
+        return NodeLostVerdict(self._attempt, node, address, since, stopped, sorted(ranks), stopping=stopping)
 
     def _respond(self, stall: Stall, ranks: dict[int, RankProgress], pids: dict[int, int],
                  stacks: dict[int, StackDump | None], collectives: dict[int, Collectives | None],

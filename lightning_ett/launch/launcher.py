@@ -235,7 +235,7 @@ class LaunchRecorder:
         if attempt != self.attempt or self.hang is not None or self._between_attempts:
             return
         now = time.time()
-        self.hang = NodeLostVerdict(attempt, -1, "", now, now, sorted(self._worker_ranks), told=reason)
+        self.hang = NodeLostVerdict(attempt, -1, "", now, now, sorted(self._worker_ranks), told=reason, stopping=now)
         stopped = stop_processes(list(self._worker_pids), self.opts.hang.grace_s)
         self.hang = replace(self.hang, stopped=stopped)
         print(f"lightning run: attempt {attempt} {self.hang.reason}", file=sys.stderr, flush=True)
@@ -579,7 +579,7 @@ def torchrun_argv(opts: LaunchOptions) -> list[str]:
 
 
 #: How long a node's launcher waits for the lock of a launcher on another host that looks alive: node 0 declares a
-#: dead node's launcher gone within SILENT_S + HEARTBEAT_S + 1 s of its death, and its lock may then be taken over once
+#: dead node's launcher gone within about SILENT_S + 2 * HEARTBEAT_S of its death, and its lock may then be taken over once
 #: it is 30 s silent (three of its heartbeats), at most ~30 s after the death.
 REPLACEMENT_PATIENCE_S = 40.0
 

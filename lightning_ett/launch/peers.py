@@ -34,7 +34,8 @@ from typing import Any
 
 #: Each launcher's heartbeat period.
 HEARTBEAT_S = 2.0
-#: A node whose heartbeat has not moved for this long is lost (node 0 says so within SILENT_S + HEARTBEAT_S + 1 s).
+#: A node whose heartbeat has not moved for this long is lost (node 0 says so within about SILENT_S + 2 * HEARTBEAT_S
+#: of its last beat: node 0 sees a beat, and then the silence, at its own next look).
 SILENT_S = 15.0
 #: A store operation that takes longer than this failed (the heartbeat then reconnects).
 STORE_TIMEOUT_S = 5.0
@@ -74,6 +75,7 @@ class NodeLostVerdict:
     stopped: float
     ranks: list[int]
     told: str | None = None  # on another node than 0: node 0's reason, read from the store
+    stopping: float | None = None  # when the stop began (SIGTERM); ``stopped`` is when the ranks were gone
 
     @property
     def reason(self) -> str:
@@ -83,7 +85,8 @@ class NodeLostVerdict:
                 "while this node's ranks waited on it")
 
     def failure_records(self) -> list[dict[str, Any]]:
-        lost = {"node": self.node, "address": self.address, "since": self.since, "stopped": self.stopped}
+        lost = {"node": self.node, "address": self.address, "since": self.since, "stopped": self.stopped,
+                **({"stopping": self.stopping} if self.stopping is not None else {})}
         return [{"kind": "failure", "attempt": self.attempt, "time": self.stopped, "rank": rank,
                  "exitcode": -int(signal.SIGKILL), "root_cause": i == 0, "node_lost": lost,
                  "reason": self.reason if i == 0 else f"stopped by the launcher: node {self.node} stopped responding"}

@@ -49,9 +49,9 @@ def test_dlrm_example_on_two_gloo_ranks_reports_per_rank_phases_that_add_up(tmp_
     # The job's clock against an outside observer: it starts when the first process did (only the fork's lag
     # after `started`) and ends at the last rank's last event, before the processes were reaped. What the ledgers
     # cannot see is the last rank's interpreter teardown (1.2-1.5 s with TorchRec here, several on a loaded
-    # machine), so the end is bounded on one side; test_monitor checks the end tightly, on one process.
+    # machine), so the end is bounded loosely; test_monitor checks the end tightly, on one process.
     assert -0.05 < s.job_start - started < 1.0, (s.job_start, started)
-    assert s.job_end <= finished, (s.job_end, finished)
+    assert s.job_end <= finished and finished - s.job_end < 15, (s.job_end, finished)
     assert 0 < s.ett_percent < 100
 
     (metrics_csv,) = (tmp_path / "ett_runs").rglob("metrics.csv")

@@ -176,7 +176,12 @@ def signal_a_training_job(tmp_path: Path, sig: signal.Signals, *job_args: str) -
                              *job_args], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Steps, not seconds: under the hang watch a rank's ledger exists before its start-up (which takes longer than
     # any fixed sleep on a loaded machine), and a signal before step 0 is another case ("before training").
-    _workers_training(tmp_path / "run", proc, steps=3)
+    try:
+        _workers_training(tmp_path / "run", proc, steps=3)
+    except AssertionError:
+        proc.kill()  # (a job of 100000 steps: not left running)
+        proc.communicate()
+        raise
     proc.send_signal(sig)
     proc.output = proc.communicate(timeout=120)  # type: ignore[attr-defined]
     return proc

@@ -22,8 +22,8 @@ EXAMPLE = [str(REPO / "examples" / "dlrm_example.py"), "fit", "--config", str(RE
            "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.max_steps", "24",
            "--trainer.val_check_interval", "12", "--trainer.limit_val_batches", "2"]
 #: node 0 says a node is lost within this long of its death: SILENT_S of silence, seen at the next heartbeat (its
-#: last beat is seen up to a heartbeat late, the silence up to another), plus each look's store operations (about 9
-#: looks in that time, slower on a loaded host) and this test's polling of the console.
+#: last beat is seen up to a look late, the silence up to another; a look is a heartbeat period plus its store
+#: operations, slower on a loaded host), plus this test's polling of the console.
 NOTICE_WITHIN_S = SILENT_S + 2 * HEARTBEAT_S + 3
 PARTITION_S = 60.0
 
