@@ -36,7 +36,7 @@ def test_phases_cover_the_process_wall_time_and_saves_and_eval_are_not_effective
     # (1.0-1.5 s with torch here, more on a loaded machine) is invisible from inside the process;
     # `lightning run` measures it.
     last_exit_handler = float((tmp_path / "exit_stamp").read_text())
-    assert abs(s.job_start - started) < 0.05, (s.job_start, started)
+    assert -0.05 < s.job_start - started < 0.5, (s.job_start, started)  # (the fork's lag; importing takes > 1 s)
     assert 0 <= last_exit_handler - s.job_end < 0.25, (s.job_end, last_exit_handler)
     assert last_exit_handler < finished
     assert sum(s.phases.values()) == pytest.approx(s.wall_s, rel=1e-6)
