@@ -127,9 +127,9 @@ _LAUNCHER_FIELDS = {"launch": (), "attempt": ("attempt",), "failure": ("attempt"
 
 
 def _valid_launcher_record(record: dict[str, Any]) -> bool:
-    fields = _LAUNCHER_FIELDS.get(record.get("kind"))  # type: ignore[arg-type]
-    reason = record.get("reason", None if record.get("kind") == "failure" else "")  # a failure must say why
     kind = record.get("kind")
+    fields = _LAUNCHER_FIELDS.get(kind)  # type: ignore[arg-type]
+    reason = record.get("reason", None if kind == "failure" else "")  # a failure must say why
     return (fields is not None and _number(record.get("time")) and all(_integer(record.get(k)) for k in fields)
             and isinstance(reason, str)
             and (kind != "launch" or _number(record.get("job_start", 0.0)))

@@ -239,12 +239,12 @@ def _stops_for(failures: list[dict[str, Any]], node: int) -> list[float]:
     return stops
 
 
-def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
+def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]], losses: list[tuple[dict[str, Any], float]],
                       job_end: float) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
     """``(attempt, rank) -> [("node_lost", last heartbeat, next attempt's start)]`` for every rank of the attempt."""
     starts = sorted((float(r["time"]), int(r["attempt"])) for r in launcher if r.get("kind") == "attempt")
     found: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
-    for record, _ in _losses_that_ended_attempts(launcher):
+    for record, _ in losses:
         attempt, since = int(record["attempt"]), float(record["since"])
         until = min((t for t, a in starts if a > attempt and t > since), default=job_end)
         for ledger in ledgers:
@@ -253,7 +253,7 @@ def _node_lost_events(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
     return found
 
 
-def _stalled_by_lost_nodes(launcher: list[dict[str, Any]]) -> dict[int, list[tuple[float, float]]]:
+def _stalled_by_lost_nodes(losses: list[tuple[dict[str, Any], float]]) -> dict[int, list[tuple[float, float]]]:
     """``attempt -> [(last heartbeat, ending)]``: a rank's event of that attempt still open when the attempt was
     being ended (:func:`_losses_that_ended_attempts`) waited on the lost node (recorded as it unwound); it does not
     own the ``node_lost`` window.
@@ -261,7 +261,7 @@ def _stalled_by_lost_nodes(launcher: list[dict[str, Any]]) -> dict[int, list[tup
     Without this, whether the window is charged to the loss depended on what the partition interrupted: a step
     (never recorded) or a save (recorded when it failed, 60 s later, and innermost)."""
     found: dict[int, list[tuple[float, float]]] = {}
-    for record, ending in _losses_that_ended_attempts(launcher):
+    for record, ending in losses:
         found.setdefault(int(record["attempt"]), []).append((float(record["since"]), ending))
     return found
 
@@ -335,9 +335,10 @@ def summarize(
     for ledger in ledgers:
         by_rank.setdefault(ledger.rank, []).append(ledger)
     hangs = _hang_events(launcher)
-    for key, events in _node_lost_events(ledgers, launcher, job_end).items():
+    losses = _losses_that_ended_attempts(launcher)  # (once: it scans every record for each loss)
+    for key, events in _node_lost_events(ledgers, launcher, losses, job_end).items():
         hangs.setdefault(key, []).extend(events)
-    stalls = _stalled_by_lost_nodes(launcher)
+    stalls = _stalled_by_lost_nodes(losses)
     segments = {rank: _rank_segments(lgs, resume, job_start, job_end, hangs, stalls)
                 for rank, lgs in sorted(by_rank.items())}
     per_rank: dict[int, dict[str, float]] = {}
@@ -358,7 +359,7 @@ def summarize(
     facts = sorted((f for lg in ledgers for f in lg.facts), key=lambda f: f.get("time", 0.0))
     first_rank = [lg for lg in ledgers if lg.rank == min(by_rank)]  # rank 0's steps, as the live figures
     health = step_health_summary((e for lg in first_rank for e in lg.events), segments, job_start, job_end)
-    return Summary(job_start, job_end, phases, _attempts(ledgers, launcher), per_rank, segments,
+    return Summary(job_start, job_end, phases, _attempts(ledgers, launcher, [r for r, _ in losses]), per_rank, segments,
                    sum(lg.torn_lines for lg in ledgers), outcome, facts, health,
                    [r for r in launcher if r.get("kind") == "suspicion"],
                    sorted((r for r in launcher if r.get("kind") in ("node_lost", "node_back")), key=lambda r: r["time"]))
@@ -396,11 +397,11 @@ def _with_nodes_named(failure: str, node_addresses: dict[str, int]) -> str:
     return f"{failure} ({'; '.join(named)})" if named else failure
 
 
-def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]]) -> list[AttemptInfo]:
+def _attempts(ledgers: list[RankLedger], launcher: list[dict[str, Any]],
+              ended_by_loss: list[dict[str, Any]]) -> list[AttemptInfo]:
     started = {int(r["attempt"]): r["time"] for r in reversed(launcher) if r.get("kind") == "attempt"}
     finished = _finished_by_launcher(launcher)
     stops = stopped_attempts(launcher)
-    ended_by_loss = [r for r, _ in _losses_that_ended_attempts(launcher)]  # (once: it scans every record)
     node_addresses = _node_addresses(launcher)
     failures: dict[int, list[dict[str, Any]]] = {}
     for r in launcher:
