@@ -77,6 +77,28 @@ def test_an_explicit_ckpt_path_wins_over_automatic_resume(tmp_path):
     assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000004")
 
 
+def test_a_restart_of_a_launch_begun_from_ckpt_path_resumes_from_what_it_committed_since(tmp_path):
+    """Going back to ckpt_path at every restart would re-run every step since (a fine-tune from a pretrained
+    checkpoint would never get past its MTBF); a new launch begins from ckpt_path again."""
+    assert run_job(tmp_path, "--max-steps", "8", "--every", "4").returncode == 0  # an earlier job: steps 4 and 8
+    start = tmp_path / "ckpt" / "step-000000004"
+    job = (JOB, "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "14", "--every", "3", "--keep", "10", "--step-sleep", "0.2",
+           "--ckpt-path", str(start))
+    restarted = launch(*job, "--out", str(tmp_path / "b"), run_dir=tmp_path / "b" / "ett", devices=1, max_restarts=1,
+                       LIGHTNING_ETT_FAULT_KILL="0:12")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "SIGKILL rank 0 at step 12 of attempt 0" in restarted.stderr
+    resumed_from = Path(result(tmp_path, "b")["resumed_from"]).name
+    assert resumed_from in ("step-000000006", "step-000000009", "step-000000012"), resumed_from  # this launch's
+    assert f"is where this launch began; this is a restart, so it resumes from {tmp_path / 'ckpt' / resumed_from}" in (
+        restarted.stderr)
+    assert result(tmp_path, "b")["global_step"] == 14
+    again = launch(*job, "--out", str(tmp_path / "c"), run_dir=tmp_path / "c" / "ett", devices=1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert Path(result(tmp_path, "c")["resumed_from"]) == start  # a new launch: where ckpt_path says
+    assert "is where this launch began" not in again.stderr
+
+
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):
     assert run_job(tmp_path, "--max-steps", "4", "--every", "4").returncode == 0
     killed = run_job(tmp_path, "--max-steps", "20", "--every", "2", "--kill-at", "7", "--step-sleep", "0.3", out="b",

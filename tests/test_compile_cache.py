@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 from conftest import SCRIPTS, run_script
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_ett import CompileCache, summarize_run_dir
 
@@ -79,8 +83,7 @@ if sys.argv[1] == "alone":
     print(json.dumps([pick_vec_isa().build_arch_flags()]))
 else:  # what CompileCache.setup does, then a compile's first ISA lookup at once
     from lightning_ett.compile.cache import IsaProbe
-    from lightning_ett.patching import Patches
-    probe, seen = IsaProbe(Patches()), []
+    probe, seen = IsaProbe(), []
     while not probe.wait(0.005):
         seen.append(pick_vec_isa().build_arch_flags())
     seen.append(pick_vec_isa().build_arch_flags())
@@ -103,6 +106,34 @@ def test_a_compile_beside_the_background_isa_probe_uses_the_flags_of_a_process_a
 
     beside = flags("beside-probe")
     assert beside == flags("alone")  # (the second finds the probe libraries built: only dlopen checks)
+
+
+def test_fit_does_not_wait_for_the_isa_probe_whose_gate_goes_when_it_ends(tmp_path, monkeypatch):
+    """A job that compiles nothing ended ~10 s late on 2 busy cores when teardown waited for the probe."""
+    from torch._inductor import cpu_vec_isa
+
+    release = threading.Event()
+
+    @functools.cache
+    def slow_probe() -> list:  # inductor's probe, held until the test lets it end
+        release.wait(60)
+        return []
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_probe)
+    cache = CompileCache(tmp_path / "cache")
+    trainer = Trainer(accelerator="cpu", max_steps=3, callbacks=[cache], logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 3
+    assert not cache._isa_probe.done.is_set()  # fit ended while the probe ran: it was not waited for
+    assert cpu_vec_isa.valid_vec_isa_list is not slow_probe  # ... and a compile after fit still waits for it
+    release.set()
+    assert cache._isa_probe.wait(30)
+    for _ in range(100):  # (the probe's thread puts inductor's function back just after it says it is done)
+        if cpu_vec_isa.valid_vec_isa_list is slow_probe:
+            break
+        threading.Event().wait(0.05)
+    assert cpu_vec_isa.valid_vec_isa_list is slow_probe
 
 
 def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path, cold_cache):

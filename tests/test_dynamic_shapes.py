@@ -70,6 +70,65 @@ def test_batches_with_jagged_features_are_marked_and_do_not_recompile():
     assert tracker.recompiles == before
 
 
+CONCAT_JOB = """
+import json, sys, torch
+from lightning.pytorch import LightningModule, Trainer
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
+from lightning_ett import DynamicShapes
+
+class MLP(torch.nn.Module):  # (nn.Sequential.compile() compiles nothing in torch 2.13)
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+class ConcatModel(LightningModule):  # a compiled MLP fed what eager code computed from the batch
+    def __init__(self, style):
+        super().__init__()
+        self.emb, self.mlp = torch.nn.Embedding(100, 4), MLP()
+        if style == "module.compile":
+            self.mlp.compile(backend="aot_eager")
+        else:
+            self.mlp = torch.compile(self.mlp, backend="aot_eager")
+
+    def training_step(self, batch, batch_idx):
+        dense, ids = batch
+        return self.mlp(torch.cat([dense[:, :4], self.emb(ids)], dim=1)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+def frames_compiled(style, callbacks):
+    torch._dynamo.reset()  # (Dynamo's memory of the sizes a frame saw would make the second arm dynamic by itself)
+    before = counters["frames"]["ok"]
+    n = 64 * 3 + 40  # the last batch holds 40
+    data = DataLoader(list(zip(torch.randn(n, 8), torch.randint(0, 100, (n,)))), batch_size=64)
+    trainer = Trainer(accelerator="cpu", max_epochs=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(ConcatModel(style), data)
+    assert trainer.global_step == 4
+    return counters["frames"]["ok"] - before
+
+result = {}
+for style in ("module.compile", "torch.compile(module)"):
+    callback = DynamicShapes()
+    result[style] = [frames_compiled(style, []), frames_compiled(style, [callback]), len(callback._wrapped)]
+print(json.dumps(result))
+"""
+
+
+def test_a_compiled_module_fed_computed_tensors_does_not_recompile_at_a_smaller_last_batch():
+    proc = run_script("-c", CONCAT_JOB, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Frames compiled without DynamicShapes (the control: specialized on 64, compiled again for 40), with it, and
+    # the compiled modules still wrapped after fit (none: taken off at teardown).
+    assert result == {"module.compile": [2, 1, 0], "torch.compile(module)": [2, 1, 0]}, result
+
+
 def test_a_frame_close_to_the_recompile_limit_is_named_in_a_warning():
     tracker = compile_tracker()
     callback = DynamicShapes()

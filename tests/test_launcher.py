@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from pathlib import Path
@@ -13,7 +14,8 @@ from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, ledger_path
 from lightning_ett.launch.cli import main
 from lightning_ett.launch.launcher import failure_reason, next_attempt, torchrun_argv
-from lightning_ett.lifecycle.faults import KillFault, RandomFailures, parse_kill_faults, random_failures_from_env
+from lightning_ett.lifecycle import faults as faults_module
+from lightning_ett.lifecycle.faults import KillFault, RandomFailures, maybe_kill, parse_kill_faults, random_failures_from_env
 
 
 @pytest.fixture
@@ -116,6 +118,37 @@ def test_failure_reasons_name_the_signal_or_the_last_exception(tmp_path):
     assert failure_reason(130, str(log)) == "exit code 130: KeyboardInterrupt"
 
 
+BAD_CLI_CONFIG = """
+import sys
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+LightningCLI(BoringModel, args=["fit", "--config", sys.argv[1]])
+"""
+
+
+@pytest.mark.parametrize(("init_args", "named"), [
+    ({"every_n_train_steps": "autoo"}, 'Parser key "every_n_train_steps": Given value: autoo'),
+    ({"every_n_train_step": 10}, "Option 'every_n_train_step' is not accepted"),
+])
+def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_list_it_was_in(tmp_path, init_args,
+                                                                                            named):
+    """jsonargparse ends its error with the whole callbacks list it was given; the reason must name the fault."""
+    config = tmp_path / "config.yaml"
+    callbacks = [{"class_path": "lightning_ett.ETTMonitor"},
+                 {"class_path": "lightning_ett.AsyncCheckpoint", "init_args": {"dirpath": str(tmp_path), **init_args}}]
+    config.write_text(json.dumps({"trainer": {"callbacks": callbacks}}))
+    proc = run_script("-c", BAD_CLI_CONFIG, str(config), timeout=120)
+    assert proc.returncode != 0
+    log = tmp_path / "stderr.log"
+    log.write_text(proc.stderr)
+    reason = failure_reason(proc.returncode, str(log))
+    assert reason.startswith(f"exit code {proc.returncode}: error: Parser key \"trainer.callbacks\": Problem with given "
+                             "class_path 'lightning_ett.AsyncCheckpoint': "), reason
+    assert reason.endswith(named) and "Namespace(" not in reason, reason
+    log.write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: argument --lr: invalid float value: 'x'\n")
+    assert failure_reason(2, str(log)) == "exit code 2: train.py: error: argument --lr: invalid float value: 'x'"
+
+
 def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):
     assert next_attempt(tmp_path) == 0
     LedgerWriter(ledger_path(tmp_path, 2, 0)).close()
@@ -133,6 +166,18 @@ def test_the_fault_switch_parses_and_rejects_malformed_values():
     for bad in ("1", "a:b", "1:2:3:4", "-1:5"):
         with pytest.raises(ValueError, match="LIGHTNING_ETT_FAULT_KILL=.*RANK:STEP"):
             parse_kill_faults(bad)
+
+
+def test_a_kill_fault_fires_where_the_step_count_passes_its_step_without_stopping_on_it(monkeypatch):
+    """Two optimizers under manual optimization advance global_step by 2: a fault at step 35 fires at 36."""
+    killed: list[int] = []
+    monkeypatch.setattr(faults_module.os, "kill", lambda pid, sig: killed.append(sig))
+    faults = parse_kill_faults("1:35")
+    for rank, step, attempt in [(1, 34, 0), (0, 36, 0), (1, 36, 1)]:  # before it; another rank; another attempt
+        maybe_kill(faults, rank, step, attempt)
+    assert killed == []
+    maybe_kill(faults, 1, 36, 0)
+    assert killed == [faults_module.signal.SIGKILL]
 
 
 def test_the_failure_rate_switch_draws_the_same_failures_for_the_same_seed(monkeypatch):

@@ -44,7 +44,7 @@ from lightning_ett.durable.errors import (
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, launch_start_time
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -107,7 +107,8 @@ class AsyncCheckpoint(Checkpoint):
             for it (``"wait"``; the wait counts as ``checkpoint_save``).
         resume: with no ``ckpt_path`` given to ``fit``, resume from the newest *complete*
             checkpoint in ``dirpath`` (damaged ones are skipped with a warning naming them).
-            An explicit ``ckpt_path`` always wins.
+            An explicit ``ckpt_path`` wins where a launch begins; a restart of that launch
+            (``lightning run``, torchrun) resumes from what it committed since, if anything.
         verify_checksums: on resume, check every file's CRC-32 (else only its size).
         overlap_staging: copy parameters and optimizer states in the background while the
             next step's forward runs (default). ``False`` copies everything at the boundary:
@@ -350,26 +351,50 @@ class AsyncCheckpoint(Checkpoint):
         """Resume from the newest complete checkpoint when ``fit`` was given no ``ckpt_path``.
 
         Lightning passes ``ckpt_path`` to ``resume_start`` (on every rank, at the same point);
-        the choice is made there, so an explicit path costs no verification. Only a fresh
-        start (global step 0) resumes: a second ``fit`` on the same Trainer continues as is.
+        the choice is made there. Only a fresh start (global step 0) resumes: a second ``fit``
+        on the same Trainer continues as is. An explicit ``ckpt_path`` is where the *launch*
+        starts: a restart of it resumes from what the launch has committed since, if anything
+        (going back to ``ckpt_path`` would re-run every step since, at every restart), and
+        costs no verification otherwise.
         """
         connector = trainer._checkpoint_connector
         original = connector.resume_start
 
         def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            if not checkpoint_path and trainer.state.fn == "fit" and trainer.global_step == 0:
-                checkpoint_path = self._select_resume_checkpoint(trainer)
+            if trainer.state.fn == "fit" and trainer.global_step == 0:
+                if not checkpoint_path:
+                    checkpoint_path = self._select_resume_checkpoint(trainer)
+                else:
+                    checkpoint_path = self._progress_since_launch(trainer, checkpoint_path) or checkpoint_path
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
 
-    def _select_resume_checkpoint(self, trainer: pl.Trainer) -> str | None:
-        """Rank 0 verifies, every rank gets its answer (or its error)."""
+    def _progress_since_launch(self, trainer: pl.Trainer, ckpt_path: Any) -> str | None:
+        """A restart of a launch begun from ``ckpt_path``: the newest complete checkpoint committed since the launch."""
+        since = launch_start_time()
+        if since is None:  # no launcher that restarts: every fit is a launch
+            return None
+        path = self._select_resume_checkpoint(trainer, committed_since=since)
+        if path is not None:
+            rank_zero_warn(f"AsyncCheckpoint: fit(ckpt_path={str(ckpt_path)!r}) is where this launch began; this is a "
+                           f"restart, so it resumes from {path}, committed since (going back would re-run every step "
+                           "since). Start a new launch to begin from ckpt_path again.")
+        return path
+
+    def _select_resume_checkpoint(self, trainer: pl.Trainer, committed_since: float | None = None) -> str | None:
+        """Rank 0 verifies, every rank gets its answer (or its error).
+
+        With ``committed_since`` (a time): only a checkpoint committed at or after it, and nothing
+        is verified unless one was.
+        """
         answer: tuple[str | None, str | None] = (None, None)
         if trainer.is_global_zero:
             start = time.time()
             try:
-                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums)
+                found = None
+                if committed_since is None or fmt.committed_since(self.dirpath, committed_since):
+                    found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, since=committed_since)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load

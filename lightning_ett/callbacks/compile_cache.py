@@ -103,7 +103,7 @@ class CompileCache(Callback):
         configure(self._patches, inductor_dir, self.job_id, self.autotune_pruning, self.batch_fusion)
         self._tracker = compile_tracker()
         if trainer.strategy.root_device.type == "cpu":
-            self._isa_probe = IsaProbe(self._patches)  # inductor's own ISA lookups wait for it (why: IsaProbe)
+            self._isa_probe = IsaProbe()  # inductor's own ISA lookups wait for it (why: IsaProbe)
         problem = self._bundle.load(owner=trainer.is_global_zero)  # every rank fills its caches; rank 0 heals
         if problem is not None:
             rank_zero_warn(problem)
@@ -147,9 +147,7 @@ class CompileCache(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._isa_probe is not None:  # a compile after fit must not run beside it either
-            self._isa_probe.wait(timeout=300)
-        self._patches.undo()
+        self._patches.undo()  # (the ISA probe's gate takes itself away when the probe ends: IsaProbe)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -11,9 +11,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.loggers import log_to_loggers
-from lightning_ett.compile.shapes import mark_batch_dynamic
+from lightning_ett.compile.shapes import batch_size, mark_batch_dynamic, mark_compiled_inputs
 from lightning_ett.durable.errors import ConfigurationError
 from lightning_ett.instrument.compile_events import CompileTracker, compile_tracker
+from lightning_ett.patching import Patches
 
 __all__ = ["DynamicShapes", "mark_batch_dynamic"]
 
@@ -23,8 +24,11 @@ class DynamicShapes(Callback):
     Before every training, validation, test and predict step the batch's tensors (also inside
     dicts, lists, tuples and dataclasses such as TorchRec's ``Batch``) get their ``batch_dim``
     marked with ``torch._dynamo.maybe_mark_dynamic``; ``KeyedJaggedTensor`` values, lengths,
-    weights and offsets get their flat dimension marked. Works with any ``torch.compile``-d
-    module; costs nothing when nothing is compiled.
+    weights and offsets get their flat dimension marked. A mark does not carry through eager code,
+    so each compiled submodule (``module.compile()`` or ``torch.compile(module)``) also marks
+    ``batch_dim`` of the tensors it is called with that have the batch's size (a top MLP fed the
+    concatenation of dense features and embeddings). Works with any ``torch.compile``-d module;
+    costs nothing when nothing is compiled.
 
     It also counts compilations from Dynamo's compile callbacks: ``compile/recompiles`` (a frame
     compiled again), ``compile/graphs``, ``compile/graph_breaks`` and ``compile/seconds`` are
@@ -47,22 +51,45 @@ class DynamicShapes(Callback):
         self.log_every_n_steps = log_every_n_steps
         self._tracker: CompileTracker | None = None
         self._warned_frames: set[int] = set()
+        self._patches = Patches()
+        self._wrapped: set[int] = set()  # compiled submodules whose calls mark their inputs
+        self._batch_size: int | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._tracker = compile_tracker()
 
+    def _stage_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once set up (``configure_model`` and the strategy's wrapping done): wrap the compiled submodules."""
+        mark_compiled_inputs(pl_module, self._patches, lambda: self._batch_size, self.batch_dim, self._wrapped)
+
+    on_train_start = on_validation_start = on_test_start = on_predict_start = _stage_start
+
+    def _batch_start(self, batch: Any) -> None:
+        mark_batch_dynamic(batch, self.batch_dim)
+        self._batch_size = batch_size(batch, self.batch_dim)
+
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        mark_batch_dynamic(batch, self.batch_dim)
+        self._batch_start(batch)
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
                                   dataloader_idx: int = 0) -> None:
-        mark_batch_dynamic(batch, self.batch_dim)
+        self._batch_start(batch)
 
     on_test_batch_start = on_validation_batch_start  # same signature, same job
     on_predict_batch_start = on_validation_batch_start
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._patches.undo()
+        self._wrapped.clear()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._patches.undo()
+        self._wrapped.clear()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

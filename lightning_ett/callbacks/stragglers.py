@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_ett.callbacks.collectives import all_gather
 from lightning_ett.instrument.step_health import StepHealth
+from lightning_ett.instrument.step_marks import listen_for_data_read
 from lightning_ett.instrument.timeline import STRAGGLER_FACT, get_timeline
 from lightning_ett.lifecycle.faults import SlowFault
 from lightning_ett.patching import Patches
@@ -41,6 +42,8 @@ class StragglerProbe:
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, patches: Patches) -> None:
         self.enabled = self.every_n > 0 and trainer.world_size > 1
+        if self.enabled:
+            patches.call_on_undo(listen_for_data_read(self._data_read))
         if self.fault is not None and self.fault.rank == trainer.global_rank:
             _slow_down(self.fault, trainer, pl_module, patches)
 
@@ -58,6 +61,10 @@ class StragglerProbe:
         if stamps.full:
             self._gather(trainer, stamps, health)
         stamps.ready(ready)  # stamped before the gather: its lateness is measured from the new origin
+
+    def _data_read(self, t: float) -> None:
+        if self._stamps is not None:
+            self._stamps.data_read(t)
 
     def on_before_backward(self) -> None:
         if self._stamps is not None and self._forward_stamps:

@@ -132,10 +132,26 @@ def next_seq(entries: list[CheckpointEntry]) -> int:
     return max((e.seq for e in entries), default=0) + 1
 
 
-def newest_complete(root: Path, checksums: bool = True) -> Path | None:
-    """The newest checkpoint under ``root`` that passes :func:`verify`; warns about each one skipped."""
+def committed_at(entry: CheckpointEntry) -> float:
+    """When ``entry`` was committed: its manifest's modification time (written last, then renamed in)."""
+    try:
+        return (entry.path / MANIFEST_FILE).stat().st_mtime
+    except OSError:  # removed since it was listed (retention): never newer than anything
+        return float("-inf")
+
+
+def committed_since(root: Path, since: float) -> bool:
+    """Whether a checkpoint under ``root`` was committed at or after ``since`` (cheap: nothing is verified)."""
+    return any(committed_at(entry) >= since for entry in committed(root))
+
+
+def newest_complete(root: Path, checksums: bool = True, since: float | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` that passes :func:`verify` (and was committed at or after ``since``);
+    warns about each one skipped."""
     seen: dict[tuple[str, Any], str | None] = {}
     for entry in reversed(committed(root)):
+        if since is not None and committed_at(entry) < since:
+            continue
         problem = verify(entry.path, checksums, seen)
         if problem is None:
             return entry.path

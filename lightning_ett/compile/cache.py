@@ -150,10 +150,14 @@ class IsaProbe:
     where the host had none for that command line, a ~155 MB precompiled header: 7.5 s here);
     the second restart happened to agree with the first. Gating ``valid_vec_isa_list`` (which
     every ``pick_vec_isa()`` calls) on the probe makes every process compute the flags alone,
-    the same way, so a restart finds the cold run's kernels. ``patches`` takes the gate away.
+    the same way, so a restart finds the cold run's kernels.
+
+    The gate takes itself away when the probe ends, not at teardown: a compile after ``fit`` is
+    still gated while it runs, and ``fit`` never waits for it (waiting there held the end of a
+    job that compiled nothing for the probe's whole run, ~10 s on 2 busy cores).
     """
 
-    def __init__(self, patches: Patches) -> None:
+    def __init__(self) -> None:
         self.done = threading.Event()
         try:
             from torch._inductor import cpu_vec_isa
@@ -183,12 +187,14 @@ class IsaProbe:
                 log.debug(f"CompileCache: background ISA probe failed ({e!r}); the first compile will probe")
             finally:
                 self.done.set()
+                if cpu_vec_isa.valid_vec_isa_list is after_probe:  # (a later gate wrapping it stays until its end)
+                    cpu_vec_isa.valid_vec_isa_list = probe_isas
 
-        patches.setattr(cpu_vec_isa, "valid_vec_isa_list", after_probe)
+        cpu_vec_isa.valid_vec_isa_list = after_probe
         threading.Thread(target=probe, name="ett-inductor-isa-probe", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the probe (e.g. before taking the gate away); ``False`` if it is still running."""
+        """Wait for the probe; ``False`` if it is still running."""
         return self.done.wait(timeout)
 
 

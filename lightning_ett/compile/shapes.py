@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
+
+from lightning_ett.patching import Patches
 
 _MAX_DEPTH = 6
 
@@ -33,13 +36,14 @@ def batch_leaves(batch: Any) -> Iterator[Any]:
     yield from visit(batch, 0)
 
 
-def mark_batch_dynamic(batch: Any, batch_dim: int = 0) -> int:
+def mark_batch_dynamic(batch: Any, batch_dim: int = 0, size: int | None = None) -> int:
     """Mark ``batch_dim`` of every tensor in ``batch`` (and a KeyedJaggedTensor's values, lengths,
     weights and offsets) as dynamic; returns how many tensors were marked.
 
     ``maybe_mark_dynamic``: Dynamo compiles the dimension symbolically but may still specialize
     it without raising (``mark_dynamic`` would fail the step instead). Dimensions of size 0 or
-    1 are left alone: Dynamo always specializes those.
+    1 are left alone: Dynamo always specializes those. With ``size``, only a tensor whose
+    ``batch_dim`` has that size is marked (a compiled module's inputs: which of them hold the batch).
     """
     marked = 0
 
@@ -51,7 +55,8 @@ def mark_batch_dynamic(batch: Any, batch_dim: int = 0) -> int:
 
     for leaf in batch_leaves(batch):
         if isinstance(leaf, torch.Tensor):
-            mark(leaf, batch_dim)
+            if size is None or (leaf.dim() > batch_dim and leaf.shape[batch_dim] == size):
+                mark(leaf, batch_dim)
         else:
             for t in (leaf.values(), leaf.lengths(), leaf.weights_or_none(), leaf.offsets_or_none()):
                 if t is not None:
@@ -71,3 +76,45 @@ def batch_size(batch: Any, batch_dim: int = 0) -> int | None:
 
 def _is_kjt(obj: Any) -> bool:
     return type(obj).__name__ == "KeyedJaggedTensor" and hasattr(obj, "lengths")
+
+
+def mark_compiled_inputs(root: nn.Module, patches: Patches, batch_size: Callable[[], int | None],
+                         batch_dim: int = 0, seen: set[int] | None = None) -> int:
+    """Mark the batch dimension of what each compiled submodule of ``root`` is called with; returns how many
+    modules were newly wrapped (``seen``: ids already wrapped).
+
+    Why: a mark on the batch does not carry through eager code. A compiled MLP fed
+    ``torch.cat([dense, embeddings])`` gets a new tensor, specializes on the batch size and
+    recompiles at a smaller last batch. So the call of each compiled module (``module.compile()``:
+    its ``_compiled_call_impl``; ``torch.compile(module)``: an ``OptimizedModule``, through a
+    forward pre-hook, which runs outside the compiled code) marks ``batch_dim`` of its tensor
+    arguments that have the current batch's size (``batch_size()``; nothing while it is ``None``).
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    seen = set() if seen is None else seen
+    wrapped = 0
+
+    def mark(args: Any, kwargs: Any) -> None:
+        size = batch_size()
+        if size is not None and size > 1:
+            mark_batch_dynamic((args, kwargs), batch_dim, size=size)
+
+    for module in root.modules():
+        if id(module) in seen:
+            continue
+        compiled_call = module.__dict__.get("_compiled_call_impl")
+        if isinstance(module, OptimizedModule):
+            handle = module.register_forward_pre_hook(lambda _m, args, kwargs: mark(args, kwargs), with_kwargs=True)
+            patches.call_on_undo(handle.remove)
+        elif compiled_call is not None:
+            def marked_call(*args: Any, _compiled: Callable[..., Any] = compiled_call, **kwargs: Any) -> Any:
+                mark(args, kwargs)
+                return _compiled(*args, **kwargs)
+
+            patches.setattr(module, "_compiled_call_impl", marked_call)
+        else:
+            continue
+        seen.add(id(module))
+        wrapped += 1
+    return wrapped

@@ -67,21 +67,37 @@ def import_time() -> float:
     return _imported_at if _imported_at is not None else time.time()
 
 
-def process_start_time() -> float:
-    """Wall-clock time at which the OS created this process.
+def process_start_time(pid: int | None = None) -> float:
+    """Wall-clock time at which the OS created this process (or process ``pid``).
 
     Linux exposes the start in clock ticks since boot; pairing it with ``CLOCK_BOOTTIME``
     gives ~10 ms precision (``psutil`` pairs it with the integer boot time: ±1 s). Elsewhere
     the import time of this package is the best lower-effort bound.
     """
     try:
-        with open("/proc/self/stat", encoding="ascii") as f:
+        with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         start_ticks = int(fields[19])  # field 22 of stat(5); two fields precede the ")" split
         since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - since_boot
     except (OSError, ValueError, IndexError, AttributeError):
         return import_time()
+
+
+def launch_start_time() -> float | None:
+    """When the launcher that started this worker started, so a restart can tell what this launch did.
+
+    ``lightning run``'s process (:data:`ENV_LAUNCHER_PID`), or torchrun's agent (the worker's
+    parent, ``TORCHELASTIC_RESTART_COUNT`` set); ``None`` without a launcher that restarts, or off Linux.
+    """
+    pid = os.environ.get(ENV_LAUNCHER_PID, "")
+    if not pid.isdigit():
+        if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+            return None
+        pid = str(os.getppid())
+    if not os.path.exists(f"/proc/{pid}/stat"):
+        return None
+    return process_start_time(int(pid))
 
 
 def env_rank() -> int:

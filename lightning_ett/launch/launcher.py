@@ -136,12 +136,38 @@ def failure_reason(exitcode: int, stderr_file: str | None) -> str:
     for line in reversed(tail):
         if _EXCEPTION_LINE.match(line):
             return f"exit code {exitcode}: {line[:500]}"
+    usage = _usage_error(tail)
+    if usage is not None:
+        return f"exit code {exitcode}: {usage[:500]}"
     last = next((line for line in reversed(tail) if line), None)  # e.g. sys.exit("message")
     return f"exit code {exitcode}: {last[:500]}" if last else f"exit code {exitcode}"
 
 
+def _usage_error(tail: list[str]) -> str | None:
+    """An argument parser's error (argparse's ``prog: error: ...``, LightningCLI's jsonargparse ``error: ...``) on one
+    line: it, and the nested lines that name the key and the value at fault, up to the first value given.
+
+    Why not the last line: jsonargparse ends with the whole list it was given (``Given value: [Namespace(...)]``),
+    and names the bad key and value (``Parser key "every_n_train_steps"``, ``Given value: autoo``) lines above.
+    """
+    for i in range(len(tail) - 1, -1, -1):
+        if _USAGE_ERROR.match(tail[i]):
+            details = []
+            for line in (raw.lstrip("- ") for raw in tail[i + 1:]):
+                if _USAGE_DETAIL.match(line):
+                    details.append(line)
+                    if line.startswith("Given value:") or "Got value:" in line or line.endswith("is not accepted") or (
+                            len(details) == 4):
+                        break
+            return " ".join([tail[i], *details])
+    return None
+
+
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]:")  # torchrun's "[rank1]:" on teed lines
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b")
+_USAGE_ERROR = re.compile(r"^(?:\S+: )?error: ")
+_USAGE_DETAIL = re.compile(r"^(Problem with given class_path|Parser key|Option '|Given value:|Expected .* Got value:|"
+                           r"Unrecognized arguments)")
 
 
 def _mtime(path: str | None) -> float:

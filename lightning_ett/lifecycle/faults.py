@@ -80,9 +80,15 @@ def faults_from_env() -> tuple[KillFault, ...]:
     return parse_kill_faults(os.environ.get(ENV_FAULT_KILL))
 
 
+def _due(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int) -> bool:
+    """A fault names this rank and attempt and a step this one reached: ``global_step`` may pass it without
+    stopping on it (two optimizers under manual optimization advance it by 2)."""
+    return any(f.rank == rank and f.attempt == attempt and step >= f.step for f in faults)
+
+
 def maybe_kill(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int) -> None:
-    """SIGKILL this process if a fault names this rank, step and attempt."""
-    if KillFault(rank, step, attempt) in faults:
+    """SIGKILL this process at the first step at or after one a fault names for this rank and attempt."""
+    if _due(faults, rank, step, attempt):
         print(f"{FAULT_INJECTION}: SIGKILL rank {rank} at step {step} of attempt {attempt}",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -160,9 +166,9 @@ def hang_in_collective(group: Any) -> None:
 
 
 def maybe_hang(faults: HangFaults, rank: int, step: int, attempt: int, group: Any = None) -> None:
-    """Hang this rank if a hang fault names this rank, step and attempt."""
-    here = KillFault(rank, step, attempt)
-    where = "in Python" if here in faults.in_python else "in a collective" if here in faults.in_collective else None
+    """Hang this rank at the first step at or after one a hang fault names for this rank and attempt."""
+    where = ("in Python" if _due(faults.in_python, rank, step, attempt)
+             else "in a collective" if _due(faults.in_collective, rank, step, attempt) else None)
     if where is None:
         return
     print(f"{FAULT_INJECTION}: rank {rank} hangs {where} at step {step} of attempt {attempt} "

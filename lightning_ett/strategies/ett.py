@@ -64,6 +64,7 @@ from lightning_ett.strategies.sharders import (
     FUSED_OPTIMIZERS,
     apply_fused_optimizer,
     check_fused_optimizer,
+    data_parallel_sequence_tables,
     default_lr,
     default_sharders,
     embedding_output_dtypes,
@@ -402,6 +403,7 @@ class ETTStrategy(ParallelStrategy):
         else:
             self._replan_if_tables_changed(module)
             self._warn_if_dense_dtype_differs_from_the_embeddings()
+            self._warn_of_data_parallel_sequence_tables(module)
             with _fbgemm_width_is_configuration():
                 self._wrap(module)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -434,6 +436,14 @@ class ETTStrategy(ParallelStrategy):
                        f"{', '.join(tables[:5])}{', ...' if len(tables) > 5 else ''}): cast them before a dense layer "
                        f"(`emb.to({dtype})`) if your step does not already, {other}or use a mixed precision (e.g. "
                        "precision='bf16-mixed').")
+
+    def _warn_of_data_parallel_sequence_tables(self, module: pl.LightningModule) -> None:
+        tables = data_parallel_sequence_tables(self.plan, module) if self.plan is not None else []
+        if tables:
+            rank_zero_warn(f"ETTStrategy: EmbeddingCollection table(s) {', '.join(tables)} are sharded data_parallel; "
+                           "TorchRec 1.9.2 fails at the first forward (`split_with_sizes` in construct_jagged_tensors) "
+                           "when the features' id counts in a batch differ. Pass sharding_type='table_wise' or "
+                           "'row_wise' (or constraints for these tables) unless every feature has the same count.")
 
     def _replan_if_tables_changed(self, module: pl.LightningModule) -> None:
         """Tables built in ``setup()`` or by Lightning's ``configure_model`` call appear only after

@@ -61,6 +61,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from lightning_ett.durable.errors import ConfigurationError
+from lightning_ett.instrument.step_marks import data_read
 from lightning_ett.patching import Patches
 
 #: How deep :func:`find_in_batch` looks (``batch.sparse_features`` is depth 1).
@@ -394,6 +395,7 @@ class SparseInputPipeline:
         if raw is NOTHING or raw is None:  # the end of the epoch; a None batch (Lightning skips it)
             return
         batch = self._transfer(trainer.lightning_module, raw)
+        data_read()  # before the forward's collectives: the straggler diagnosis sees a rank slow to read
         prepared = Prepared(source=raw, batch=batch)
         try:
             for name in self._pipelined_names:

@@ -123,6 +123,23 @@ def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.M
             + (f" ({'; '.join(hints)})." if hints else "."))
 
 
+def data_parallel_sequence_tables(plan: ShardingPlan, module: nn.Module) -> list[str]:
+    """Tables of an ``EmbeddingCollection`` planned ``data_parallel``: TorchRec 1.9.2 fails at their first forward when
+    the features' id counts in a batch differ (README, Known limitations); said before the first step, not after."""
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    tables = []
+    for path, module_plan in plan.plan.items():
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(owner, EmbeddingCollection):
+            tables += [name for name, sharding in module_plan.items()  # type: ignore[union-attr]
+                       if sharding.sharding_type == ShardingType.DATA_PARALLEL.value]
+    return sorted(tables)
+
+
 def embedding_output_dtypes(plan: ShardingPlan) -> dict[str, torch.dtype]:
     """The dtype each planned table's embeddings come out in: its plan's (``ParameterConstraints.output_dtype``), else
     float32. Not a sharder's ``fused_params["output_dtype"]``: on CPU (fbgemm 1.8, TorchRec 1.9.2) a table-wise table

@@ -1,7 +1,9 @@
 """Which rank makes the others wait, and for how long per batch: a diagnosis, not a restart.
 
 Method. Each rank stamps, locally and per training batch, two host times: ``ready`` (the batch has
-been fetched; Lightning fetches just before ``on_train_batch_start``) and ``forward_done`` (the
+been fetched; Lightning fetches just before ``on_train_batch_start``; where a strategy reads ahead
+inside the step, as ETTStrategy's pipeline does, the end of that read if later:
+:mod:`lightning_ett.instrument.step_marks`) and ``forward_done`` (the
 first ``on_before_backward`` of the batch; absent under manual optimization). Nothing is sent per
 step. Every N batches all ranks all-gather one small float64 row (:meth:`WindowStamps.row`): the
 window's stamps, measured from the instant this rank *left the previous gather*, and the instants it
@@ -22,7 +24,8 @@ waited for it. The first window has no earlier gather to measure from: it only s
 What it sees:
 
 * ``data`` side: slowness between the previous step's last collective and ``ready``: the data
-  fetch, host-side input work (collate, ``batch_to_device``), a slow ``on_train_batch_start``.
+  fetch (or the pipeline's read-ahead of the next batch), host-side input work (collate,
+  ``batch_to_device``), a slow ``on_train_batch_start``.
 * ``compute`` side: slowness in the forward after its last collective, up to the backward (a
   slower ``training_step`` on the host).
 
@@ -80,6 +83,12 @@ class WindowStamps:
             self._ready[self.count] = t
             self.count += 1
             self._forward_open = True
+
+    def data_read(self, t: float) -> None:
+        """Data work for the current batch ended at ``t`` inside its step (a read-ahead of the next batch, before
+        the forward's first collective): ``ready`` is the later of the two."""
+        if self.count and self._forward_open:
+            self._ready[self.count - 1] = max(self._ready[self.count - 1], t)
 
     def forward_done(self, t: float) -> None:
         """The first backward of the current batch begins (later calls of the same batch are ignored)."""

@@ -295,6 +295,12 @@ def test_a_true_half_precision_is_warned_about_the_float32_embeddings_and_no_oth
 def test_a_sharding_type_the_tables_sharder_does_not_offer_fails_fit_naming_it(small_jobs):
     r = small_jobs
     assert r["32-true_ec_row_wise"]["error"] is None and r["32-true_ec_row_wise"]["steps"] == 6  # offered: it trains
+    assert r["32-true_ec_row_wise"]["warnings"] == []
+    # data_parallel for an EmbeddingCollection: TorchRec fails at the first forward where id counts differ (here one
+    # feature, one id per sample: it trains); said before the first step, naming the tables and the fix
+    (warned,) = r["32-true_ec_data_parallel"]["warnings"]
+    assert warned.startswith("ETTStrategy: EmbeddingCollection table(s) t0 are sharded data_parallel") and (
+        "sharding_type='table_wise'" in warned), warned
     error = r["32-true_ec_table_row_wise"]["error"]
     assert error.startswith("ConfigurationError: ETTStrategy: table 't0' (EmbeddingCollection) is constrained to sharding "
                             "type(s) ['table_row_wise'], but EmbeddingCollectionSharder offers only"), error

@@ -54,6 +54,27 @@ def test_an_injected_slow_rank_is_named_the_straggler_within_100_steps(tmp_path:
         assert 0 < final["ett/interval_percent_60m"] <= 100
 
 
+@pytest.mark.parametrize("slow_rank", [None, 1], ids=["clean", "rank-1-reads-slowly"])
+def test_under_the_input_pipeline_a_slow_reader_is_named_on_the_data_side_and_a_clean_run_names_no_one(
+        tmp_path: Path, slow_rank: int | None) -> None:
+    """ETTStrategy reads the next batch inside the step, before the forward's first collective, which absorbed
+    a slow reader's lateness: the strategy marks the read's end (instrument.step_marks)."""
+    run_dir = tmp_path / "run"
+    slow = ["--slow-rank", str(slow_rank)] if slow_rank is not None else []
+    proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(run_dir),
+                         str(SCRIPTS / "straggler_pipeline_job.py"), "--max-steps", "100", *slow, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    facts = [f for lg in read_ledger(run_dir) for f in lg.facts if f["name"] == STRAGGLER_FACT]
+    assert [f["step"] for f in facts] == [50, 75]
+    if slow_rank is None:
+        assert max(f["streak"] for f in facts) < 2 and "straggler" not in proc.stderr.lower(), facts
+        return
+    for f in facts:
+        assert f["straggler"] == 1 and f["side"] == "data", f
+        assert DELAY_S * 0.9 < f["scores"][1] < DELAY_S * 1.3 and f["scores"][0] < 0.002, f
+    assert "rank 1 is a straggler" in proc.stderr
+
+
 def test_a_clean_run_under_lightning_run_names_no_straggler_and_no_hang(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = lightning_run("--devices", "2", "--max-restarts", "0", "--run-dir", str(run_dir), JOB,

@@ -96,7 +96,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cases", default="32-true,bf16-mixed,bf16-true:cast,bf16-true,16-true:out,16-true:fused,64-true:cast,"
                                         "32-true:ec:row_wise,"
-                                        "32-true:ec:table_row_wise")
+                                        "32-true:ec:table_row_wise,"
+                                        "32-true:ec:data_parallel")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
