@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -97,6 +98,27 @@ def test_a_restart_of_a_launch_begun_from_ckpt_path_resumes_from_what_it_committ
     assert again.returncode == 0, again.stderr[-3000:]
     assert Path(result(tmp_path, "c")["resumed_from"]) == start  # a new launch: where ckpt_path says
     assert "is where this launch began" not in again.stderr
+
+
+def test_only_a_restart_within_a_launch_has_a_launch_to_resume_from(monkeypatch):
+    """A launch's first attempt begins from ckpt_path whatever the directory holds (a deliberate roll-back, a fine-tune
+    from a checkpoint committed seconds before, under another host's clock); only its restarts resume from it."""
+    from lightning_ett.instrument import environment as env
+
+    for name in (env.ENV_LAUNCHER_PID, env.ENV_LAUNCH_FIRST_ATTEMPT, env.ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert env.restarted_launch_start() is None  # no launcher: every fit is a launch
+    monkeypatch.setenv(env.ENV_LAUNCHER_PID, str(os.getpid()))  # `lightning run` (this process stands for it)
+    monkeypatch.setenv(env.ENV_LAUNCH_FIRST_ATTEMPT, "3")  # a relaunch into a run dir whose attempts 0-2 are done
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(env.ENV_ATTEMPT, "3")
+    assert env.restarted_launch_start() is None
+    monkeypatch.setenv(env.ENV_ATTEMPT, "4")
+    assert env.restarted_launch_start() == pytest.approx(env.process_start_time(os.getpid()), abs=0.05)
+    monkeypatch.delenv(env.ENV_LAUNCHER_PID)  # torchrun: its restart count, and its agent (the parent) started it
+    assert env.restarted_launch_start() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert env.restarted_launch_start() == pytest.approx(env.process_start_time(os.getppid()), abs=0.05)
 
 
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):

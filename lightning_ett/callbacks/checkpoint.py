@@ -44,7 +44,7 @@ from lightning_ett.durable.errors import (
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, launch_start_time
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, restarted_launch_start
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -372,8 +372,8 @@ class AsyncCheckpoint(Checkpoint):
 
     def _progress_since_launch(self, trainer: pl.Trainer, ckpt_path: Any) -> str | None:
         """A restart of a launch begun from ``ckpt_path``: the newest complete checkpoint committed since the launch."""
-        since = launch_start_time()
-        if since is None:  # no launcher that restarts: every fit is a launch
+        since = restarted_launch_start()
+        if since is None:  # not a restart within a launch (a launch's first attempt; no launcher that restarts)
             return None
         path = self._select_resume_checkpoint(trainer, committed_since=since)
         if path is not None:

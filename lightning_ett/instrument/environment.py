@@ -31,6 +31,9 @@ ENV_LAUNCHER = "LIGHTNING_ETT_LAUNCHER"
 ENV_HANG_WATCH = "LIGHTNING_ETT_HANG_WATCH"
 #: Set by ``lightning run``: its pid. Its forkserver and workers die with it (:mod:`lightning_ett.lifecycle.lifeline`).
 ENV_LAUNCHER_PID = "LIGHTNING_ETT_LAUNCHER_PID"
+#: Set by ``lightning run``: the first attempt number of this launch (a relaunch into a run dir continues the numbers),
+#: so a worker knows whether it is a restart within the launch.
+ENV_LAUNCH_FIRST_ATTEMPT = "LIGHTNING_ETT_LAUNCH_FIRST_ATTEMPT"
 #: Set by ``lightning run``: a token unique to the launch. Every process the job starts inherits it, so the
 #: launcher's sweeper finds them all when the launcher dies (:mod:`lightning_ett.lifecycle.sweeper`).
 ENV_LAUNCH_TOKEN = "LIGHTNING_ETT_LAUNCH_TOKEN"
@@ -84,17 +87,24 @@ def process_start_time(pid: int | None = None) -> float:
         return import_time()
 
 
-def launch_start_time() -> float | None:
-    """When the launcher that started this worker started, so a restart can tell what this launch did.
+def restarted_launch_start() -> float | None:
+    """When the launch this worker belongs to started, if this worker is a *restart* within it; else ``None``.
 
-    ``lightning run``'s process (:data:`ENV_LAUNCHER_PID`), or torchrun's agent (the worker's
-    parent, ``TORCHELASTIC_RESTART_COUNT`` set); ``None`` without a launcher that restarts, or off Linux.
+    So a restart can tell what its launch has done since it began. ``lightning run``: an attempt
+    after the launch's first (:data:`ENV_LAUNCH_FIRST_ATTEMPT`), and its process's start
+    (:data:`ENV_LAUNCHER_PID`). torchrun: ``TORCHELASTIC_RESTART_COUNT`` > 0 (on a node whose
+    workers were healthy when another's failed it stays 0: no answer there), and its agent's
+    start (the worker's parent). ``None`` as well without a launcher that restarts, or off Linux.
     """
-    pid = os.environ.get(ENV_LAUNCHER_PID, "")
-    if not pid.isdigit():
-        if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+    pid, first, attempt = (os.environ.get(ENV_LAUNCHER_PID, ""), os.environ.get(ENV_LAUNCH_FIRST_ATTEMPT, ""),
+                           os.environ.get(ENV_ATTEMPT, ""))
+    if pid.isdigit():
+        if not (first.isdigit() and attempt.isdigit() and int(attempt) > int(first)):
             return None
+    elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         pid = str(os.getppid())
+    else:
+        return None
     if not os.path.exists(f"/proc/{pid}/stat"):
         return None
     return process_start_time(int(pid))

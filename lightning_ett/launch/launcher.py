@@ -65,6 +65,7 @@ from lightning_ett.instrument.environment import (
     ENV_HANG_WATCH,
     ENV_JOB_ID,
     ENV_JOB_START,
+    ENV_LAUNCH_FIRST_ATTEMPT,
     ENV_LAUNCHER,
     ENV_LAUNCHER_PID,
     ENV_RUN_DIR,
@@ -651,6 +652,7 @@ def launch(opts: LaunchOptions) -> int:
         try:
             service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
             recorder = LaunchRecorder(opts, job_start, service, token=sweeper.token)
+            os.environ[ENV_LAUNCH_FIRST_ATTEMPT] = str(recorder.first_attempt)  # (before the forkserver starts)
             if opts.num_nodes > 1 and opts.main_port is not None:
                 recorder.peers = PeerWatch(opts.main_address, opts.main_port, opts.job_id, opts.node_rank,
                                            opts.num_nodes, recorder.address or socket.gethostname(), on_event=recorder.peer_event,
