@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import os
 import subprocess
 import sys
 import time
@@ -85,40 +84,40 @@ def test_a_restart_of_a_launch_begun_from_ckpt_path_resumes_from_what_it_committ
     start = tmp_path / "ckpt" / "step-000000004"
     job = (JOB, "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "14", "--every", "3", "--keep", "10", "--step-sleep", "0.2",
            "--ckpt-path", str(start))
-    restarted = launch(*job, "--out", str(tmp_path / "b"), run_dir=tmp_path / "b" / "ett", devices=1, max_restarts=1,
-                       LIGHTNING_ETT_FAULT_KILL="0:12")
+    restarted = launch(*job, "--out", str(tmp_path / "b"), "--devices", "2", run_dir=tmp_path / "b" / "ett", devices=2,
+                       max_restarts=1, LIGHTNING_ETT_FAULT_KILL="1:12")  # rank 0 decides, rank 1 takes its answer
     assert restarted.returncode == 0, restarted.stderr[-3000:]
-    assert "SIGKILL rank 0 at step 12 of attempt 0" in restarted.stderr
+    assert "SIGKILL rank 1 at step 12 of attempt 0" in restarted.stderr
     resumed_from = Path(result(tmp_path, "b")["resumed_from"]).name
     assert resumed_from in ("step-000000006", "step-000000009", "step-000000012"), resumed_from  # this launch's
     assert f"is where this launch began; this is a restart, so it resumes from {tmp_path / 'ckpt' / resumed_from}" in (
         restarted.stderr)
     assert result(tmp_path, "b")["global_step"] == 14
-    again = launch(*job, "--out", str(tmp_path / "c"), run_dir=tmp_path / "c" / "ett", devices=1)
+    again = launch(*job, "--out", str(tmp_path / "c"), "--devices", "2", run_dir=tmp_path / "c" / "ett", devices=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert Path(result(tmp_path, "c")["resumed_from"]) == start  # a new launch: where ckpt_path says
     assert "is where this launch began" not in again.stderr
 
 
-def test_only_a_restart_within_a_launch_has_a_launch_to_resume_from(monkeypatch):
-    """A launch's first attempt begins from ckpt_path whatever the directory holds (a deliberate roll-back, a fine-tune
-    from a checkpoint committed seconds before, under another host's clock); only its restarts resume from it."""
+def test_only_an_earlier_attempt_of_the_same_launch_is_resumed_from_over_ckpt_path(tmp_path, monkeypatch):
+    """The manifest records the launch (its token) and attempt that committed it: a launch's first attempt, a second
+    fit in the same attempt and another launch find nothing of theirs, whatever the clocks say."""
     from lightning_ett.instrument import environment as env
 
-    for name in (env.ENV_LAUNCHER_PID, env.ENV_LAUNCH_FIRST_ATTEMPT, env.ENV_ATTEMPT, "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(name, raising=False)
-    assert env.restarted_launch_start() is None  # no launcher: every fit is a launch
-    monkeypatch.setenv(env.ENV_LAUNCHER_PID, str(os.getpid()))  # `lightning run` (this process stands for it)
-    monkeypatch.setenv(env.ENV_LAUNCH_FIRST_ATTEMPT, "3")  # a relaunch into a run dir whose attempts 0-2 are done
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv(env.ENV_ATTEMPT, "3")
-    assert env.restarted_launch_start() is None
-    monkeypatch.setenv(env.ENV_ATTEMPT, "4")
-    assert env.restarted_launch_start() == pytest.approx(env.process_start_time(os.getpid()), abs=0.05)
-    monkeypatch.delenv(env.ENV_LAUNCHER_PID)  # torchrun: its restart count, and its agent (the parent) started it
-    assert env.restarted_launch_start() is None
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert env.restarted_launch_start() == pytest.approx(env.process_start_time(os.getppid()), abs=0.05)
+    monkeypatch.delenv(env.ENV_LAUNCHER, raising=False)
+    assert env.launch_attempt() is None  # not under `lightning run` (torchrun, python): ckpt_path as given
+    monkeypatch.setenv(env.ENV_LAUNCHER, "lightning run")
+    monkeypatch.setenv(env.ENV_LAUNCH_TOKEN, "launch-a")
+    monkeypatch.setenv(env.ENV_ATTEMPT, "3")  # a launch into a run dir whose attempts 0-2 were another launch's
+    assert env.launch_attempt() == ("launch-a", 3)
+    assert run_script(JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "8",
+                      "--every", "4", **{env.ENV_LAUNCHER: "lightning run", env.ENV_LAUNCH_TOKEN: "launch-a",
+                                         env.ENV_ATTEMPT: "3"}).returncode == 0
+    entries = fmt.committed(tmp_path / "ckpt")
+    assert [e.launch for e in entries] == [("launch-a", 3)] * 2
+    assert fmt.newest_complete(tmp_path / "ckpt", launch=("launch-a", 3)) is None  # the same attempt: not a restart
+    assert fmt.newest_complete(tmp_path / "ckpt", launch=("launch-b", 4)) is None  # another launch
+    assert fmt.newest_complete(tmp_path / "ckpt", launch=("launch-a", 4)) == entries[-1].path  # its restart
 
 
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):

@@ -108,32 +108,43 @@ def test_a_compile_beside_the_background_isa_probe_uses_the_flags_of_a_process_a
     assert beside == flags("alone")  # (the second finds the probe libraries built: only dlopen checks)
 
 
-def test_fit_does_not_wait_for_the_isa_probe_whose_gate_goes_when_it_ends(tmp_path, monkeypatch):
-    """A job that compiles nothing ended ~10 s late on 2 busy cores when teardown waited for the probe."""
+class CompiledLayer(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer.compile(backend="eager")  # a compiled submodule (eager: no C++ build, no ISA lookup of its own)
+
+
+def test_the_isa_probe_runs_only_where_a_module_is_compiled_and_is_never_cut_off(tmp_path, monkeypatch):
+    """A job that compiles nothing ended ~10 s late on 2 busy cores waiting for a probe it never used; one that
+    compiles must not end mid-probe (a half-built probe library is never rebuilt and changes inductor's flags)."""
     from torch._inductor import cpu_vec_isa
 
-    release = threading.Event()
+    probed = threading.Event()
 
     @functools.cache
-    def slow_probe() -> list:  # inductor's probe, held until the test lets it end
-        release.wait(60)
+    def slow_probe() -> list:  # inductor's probe, slowed down
+        threading.Event().wait(1.0)
+        probed.set()
         return []
 
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_probe)
-    cache = CompileCache(tmp_path / "cache")
-    trainer = Trainer(accelerator="cpu", max_steps=3, callbacks=[cache], logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(BoringModel())
-    assert trainer.global_step == 3
-    assert not cache._isa_probe.done.is_set()  # fit ended while the probe ran: it was not waited for
-    assert cpu_vec_isa.valid_vec_isa_list is not slow_probe  # ... and a compile after fit still waits for it
-    release.set()
-    assert cache._isa_probe.wait(30)
+
+    def fit(model: BoringModel) -> CompileCache:
+        cache = CompileCache(tmp_path / "cache")
+        trainer = Trainer(accelerator="cpu", max_steps=3, callbacks=[cache], logger=False, enable_progress_bar=False,
+                          enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(model)
+        assert trainer.global_step == 3
+        return cache
+
+    assert fit(BoringModel())._isa_probe is None and not probed.is_set()  # nothing compiled: no probe
+    cache = fit(CompiledLayer())
+    assert cache._isa_probe is not None and cache._isa_probe.done.is_set() and probed.is_set()  # waited for at the end
     for _ in range(100):  # (the probe's thread puts inductor's function back just after it says it is done)
         if cpu_vec_isa.valid_vec_isa_list is slow_probe:
             break
         threading.Event().wait(0.05)
-    assert cpu_vec_isa.valid_vec_isa_list is slow_probe
+    assert cpu_vec_isa.valid_vec_isa_list is slow_probe  # the gate is gone
 
 
 def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path, cold_cache):

@@ -147,6 +147,10 @@ def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_li
     assert reason.endswith(named) and "Namespace(" not in reason, reason
     log.write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: argument --lr: invalid float value: 'x'\n")
     assert failure_reason(2, str(log)) == "exit code 2: train.py: error: argument --lr: invalid float value: 'x'"
+    # Only a log that ends with a parser's error, exiting as a parser does (2, or 78 from a preloaded worker)
+    log.write_text("fetch.sh: error: mirror 2 timed out, using mirror 1\ncheckpoint dir is read-only: giving up\n")
+    assert failure_reason(1, str(log)) == "exit code 1: checkpoint dir is read-only: giving up"
+    assert failure_reason(2, str(log)) == "exit code 2: checkpoint dir is read-only: giving up"
 
 
 def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):
@@ -175,6 +179,8 @@ def test_a_kill_fault_fires_where_the_step_count_passes_its_step_without_stoppin
     faults = parse_kill_faults("1:35")
     for rank, step, attempt in [(1, 34, 0), (0, 36, 0), (1, 36, 1)]:  # before it; another rank; another attempt
         maybe_kill(faults, rank, step, attempt)
+    assert killed == []
+    maybe_kill(faults, 1, 36, 0, began_at=35)  # a fit resumed at step 35 never completes it
     assert killed == []
     maybe_kill(faults, 1, 36, 0)
     assert killed == [faults_module.signal.SIGKILL]

@@ -44,7 +44,7 @@ from lightning_ett.durable.errors import (
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, restarted_launch_start
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, launch_attempt
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -108,7 +108,7 @@ class AsyncCheckpoint(Checkpoint):
         resume: with no ``ckpt_path`` given to ``fit``, resume from the newest *complete*
             checkpoint in ``dirpath`` (damaged ones are skipped with a warning naming them).
             An explicit ``ckpt_path`` wins where a launch begins; a restart of that launch
-            (``lightning run``, torchrun) resumes from what it committed since, if anything.
+            by ``lightning run`` resumes from what the launch committed, if anything.
         verify_checksums: on resume, check every file's CRC-32 (else only its size).
         overlap_staging: copy parameters and optimizer states in the background while the
             next step's forward runs (default). ``False`` copies everything at the boundary:
@@ -353,9 +353,9 @@ class AsyncCheckpoint(Checkpoint):
         Lightning passes ``ckpt_path`` to ``resume_start`` (on every rank, at the same point);
         the choice is made there. Only a fresh start (global step 0) resumes: a second ``fit``
         on the same Trainer continues as is. An explicit ``ckpt_path`` is where the *launch*
-        starts: a restart of it resumes from what the launch has committed since, if anything
-        (going back to ``ckpt_path`` would re-run every step since, at every restart), and
-        costs no verification otherwise.
+        starts: a restart of it under ``lightning run`` resumes from what an earlier attempt of
+        the launch committed, if anything (going back to ``ckpt_path`` would re-run every step
+        since, at every restart), and costs no verification otherwise.
         """
         connector = trainer._checkpoint_connector
         original = connector.resume_start
@@ -371,30 +371,35 @@ class AsyncCheckpoint(Checkpoint):
         self._patches.setattr(connector, "resume_start", resume_start)
 
     def _progress_since_launch(self, trainer: pl.Trainer, ckpt_path: Any) -> str | None:
-        """A restart of a launch begun from ``ckpt_path``: the newest complete checkpoint committed since the launch."""
-        since = restarted_launch_start()
-        if since is None:  # not a restart within a launch (a launch's first attempt; no launcher that restarts)
+        """Under ``lightning run``: the newest complete checkpoint an earlier attempt of this launch committed, if any
+        (a restart; a launch's first attempt has none). Rank 0 decides (its launch's token is in the manifests it
+        commits) and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
+        if launch_attempt() is None:  # torchrun, or no launcher: ckpt_path as given (the same on every rank)
             return None
-        path = self._select_resume_checkpoint(trainer, committed_since=since)
+        path = self._select_resume_checkpoint(trainer, of_this_launch=True)
         if path is not None:
             rank_zero_warn(f"AsyncCheckpoint: fit(ckpt_path={str(ckpt_path)!r}) is where this launch began; this is a "
-                           f"restart, so it resumes from {path}, committed since (going back would re-run every step "
-                           "since). Start a new launch to begin from ckpt_path again.")
+                           f"restart, so it resumes from {path}, which the launch committed since (going back would "
+                           "re-run every step since). Start a new launch to begin from ckpt_path again.")
         return path
 
-    def _select_resume_checkpoint(self, trainer: pl.Trainer, committed_since: float | None = None) -> str | None:
+    def _select_resume_checkpoint(self, trainer: pl.Trainer, of_this_launch: bool = False) -> str | None:
         """Rank 0 verifies, every rank gets its answer (or its error).
 
-        With ``committed_since`` (a time): only a checkpoint committed at or after it, and nothing
-        is verified unless one was.
+        ``of_this_launch``: only a checkpoint an earlier attempt of rank 0's launch committed
+        (nothing is verified when none was).
         """
         answer: tuple[str | None, str | None] = (None, None)
         if trainer.is_global_zero:
             start = time.time()
             try:
+                launch = launch_attempt() if of_this_launch else None
                 found = None
-                if committed_since is None or fmt.committed_since(self.dirpath, committed_since):
-                    found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, since=committed_since)
+                if launch is not None:
+                    if any(fmt.committed_by_earlier_attempt(e, launch) for e in fmt.committed(self.dirpath)):
+                        found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, launch=launch)
+                elif not of_this_launch:
+                    found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load

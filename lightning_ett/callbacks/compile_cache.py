@@ -15,11 +15,13 @@ from lightning_ett.callbacks.loggers import log_to_loggers
 from lightning_ett.compile.cache import (
     ARTIFACTS,
     ARTIFACTS_INFO,
+    GATE_TIMEOUT_S,
     Bundle,
     IsaProbe,
     compile_metrics,
     configure,
 )
+from lightning_ett.compile.shapes import compiled_submodules
 from lightning_ett.durable.errors import ConfigurationError, ConfigurationTypeError
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.instrument.compile_events import CompileTracker, compile_tracker
@@ -102,8 +104,7 @@ class CompileCache(Callback):
             raise PermissionError(str(error).replace(str(inductor_dir), str(self.cache_dir)))
         configure(self._patches, inductor_dir, self.job_id, self.autotune_pruning, self.batch_fusion)
         self._tracker = compile_tracker()
-        if trainer.strategy.root_device.type == "cpu":
-            self._isa_probe = IsaProbe()  # inductor's own ISA lookups wait for it (why: IsaProbe)
+        self._start_isa_probe(trainer, pl_module, compiling=self.compile_module)
         problem = self._bundle.load(owner=trainer.is_global_zero)  # every rank fills its caches; rank 0 heals
         if problem is not None:
             rank_zero_warn(problem)
@@ -112,6 +113,16 @@ class CompileCache(Callback):
             rank_zero_info(f"CompileCache: loaded compile artifacts from {self._bundle.blob}: {self.loaded}")
         if self.compile_module:
             pl_module.compile(**self.compile_kwargs)
+
+    def _start_isa_probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, compiling: bool = False) -> None:
+        """On CPU, where a module is (or will be) compiled: inductor's ISA probe in the background (why: IsaProbe)."""
+        if self._isa_probe is None and trainer.strategy.root_device.type == "cpu" and (
+                compiling or compiled_submodules(pl_module)):
+            self._isa_probe = IsaProbe()  # inductor's own ISA lookups wait for it
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_isa_probe(trainer, pl_module)  # modules compiled in configure_model are there now
 
     # ------------------------------------------------------------------ saving once compilation settled
     @override
@@ -147,7 +158,9 @@ class CompileCache(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._patches.undo()  # (the ISA probe's gate takes itself away when the probe ends: IsaProbe)
+        if self._isa_probe is not None:  # done already if anything compiled; a process ending mid-build leaves
+            self._isa_probe.wait(timeout=GATE_TIMEOUT_S)  # a partial library inductor never rebuilds
+        self._patches.undo()  # (the probe's gate takes itself away when the probe ends: IsaProbe)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -82,6 +82,14 @@ class DynamicShapes(Callback):
     on_predict_batch_start = on_validation_batch_start
 
     @override
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_size = None  # outside a step (an epoch-end hook) no argument is taken for the batch's
+
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_end = on_validation_batch_end
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._patches.undo()
         self._wrapped.clear()
@@ -94,6 +102,7 @@ class DynamicShapes(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._batch_size = None
         self._warn_near_limit()
         if trainer.global_step % self.log_every_n_steps == 0:
             self._log(trainer)

@@ -143,6 +143,7 @@ class ETTMonitor(Callback):
             self._bound_early = True
         self._mark = time.time()
         self._step_start: float | None = None
+        self._began_at = 0  # the global step this fit began or resumed at
         self._training_began = time.time()  # this attempt's first training batch (set then)
         self._batch_step: int | None = None
         self._eval_start: float | None = None
@@ -239,6 +240,7 @@ class ETTMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step_start = None  # a second fit starts with its own data_init
+        self._began_at = trainer.global_step  # (a fault at a step this fit resumed past never fires)
         if trainer.is_global_zero:
             self._prior = self._summarize_prior_attempts(trainer.global_step)
             if self._prior is not None:  # a restart re-runs steps: their ett/* rows are out already
@@ -283,9 +285,10 @@ class ETTMonitor(Callback):
             self._rolling.observe(self._step_start, self._train_s())
         step = trainer.global_step
         if self._faults:
-            maybe_kill(self._faults, trainer.global_rank, step, self.context.attempt)
+            maybe_kill(self._faults, trainer.global_rank, step, self.context.attempt, self._began_at)
         if self._hang_faults:
-            maybe_hang(self._hang_faults, trainer.global_rank, step, self.context.attempt, self._hang_group)
+            maybe_hang(self._hang_faults, trainer.global_rank, step, self.context.attempt, self._hang_group,
+                       self._began_at)
         if self._random_failures is not None:
             maybe_fail_randomly(self._random_failures, trainer.global_rank, trainer.world_size, self.context.attempt,
                                 time.time() - self._training_began)

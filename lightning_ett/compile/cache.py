@@ -128,6 +128,10 @@ def compile_metrics() -> dict[str, float]:
     }
 
 
+#: The longest an ISA lookup waits for the background probe before it probes by itself.
+GATE_TIMEOUT_S = 300.0
+
+
 class IsaProbe:
     """Inductor's CPU vector-ISA probe, run in a thread from ``setup``; inductor's own ISA lookups wait for it.
 
@@ -152,9 +156,10 @@ class IsaProbe:
     every ``pick_vec_isa()`` calls) on the probe makes every process compute the flags alone,
     the same way, so a restart finds the cold run's kernels.
 
-    The gate takes itself away when the probe ends, not at teardown: a compile after ``fit`` is
-    still gated while it runs, and ``fit`` never waits for it (waiting there held the end of a
-    job that compiled nothing for the probe's whole run, ~10 s on 2 busy cores).
+    The gate takes itself away when the probe ends; a lookup waits for it at most
+    :data:`GATE_TIMEOUT_S` (a hung probe must not hang a compile). Started only where a compiled
+    module is found (a job that compiles nothing waited ~10 s at its end for a probe it never
+    used, on 2 busy cores); a compile there has already waited for it by the end of ``fit``.
     """
 
     def __init__(self) -> None:
@@ -173,7 +178,7 @@ class IsaProbe:
 
         @functools.wraps(probe_isas)
         def after_probe() -> list:
-            self.done.wait()
+            self.done.wait(GATE_TIMEOUT_S)
             return probe_isas()
 
         for name in ("cache_info", "cache_clear"):  # still the functools.cache it stands for

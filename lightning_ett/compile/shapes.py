@@ -100,21 +100,29 @@ def mark_compiled_inputs(root: nn.Module, patches: Patches, batch_size: Callable
         if size is not None and size > 1:
             mark_batch_dynamic((args, kwargs), batch_dim, size=size)
 
-    for module in root.modules():
+    for module in compiled_submodules(root):
         if id(module) in seen:
             continue
-        compiled_call = module.__dict__.get("_compiled_call_impl")
         if isinstance(module, OptimizedModule):
             handle = module.register_forward_pre_hook(lambda _m, args, kwargs: mark(args, kwargs), with_kwargs=True)
             patches.call_on_undo(handle.remove)
-        elif compiled_call is not None:
-            def marked_call(*args: Any, _compiled: Callable[..., Any] = compiled_call, **kwargs: Any) -> Any:
+        else:
+            def marked_call(*args: Any, _compiled: Callable[..., Any] = module.__dict__["_compiled_call_impl"],
+                            **kwargs: Any) -> Any:
                 mark(args, kwargs)
                 return _compiled(*args, **kwargs)
 
             patches.setattr(module, "_compiled_call_impl", marked_call)
-        else:
-            continue
         seen.add(id(module))
         wrapped += 1
     return wrapped
+
+
+def compiled_submodules(root: nn.Module) -> list[nn.Module]:
+    """``root`` and its submodules that ``torch.compile`` wraps: ``module.compile()``-d ones (their
+    ``_compiled_call_impl``) and ``torch.compile(module)``'s ``OptimizedModule``. A function compiled
+    with ``@torch.compile`` is not a module and is not found."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [m for m in root.modules()
+            if isinstance(m, OptimizedModule) or m.__dict__.get("_compiled_call_impl") is not None]

@@ -31,9 +31,6 @@ ENV_LAUNCHER = "LIGHTNING_ETT_LAUNCHER"
 ENV_HANG_WATCH = "LIGHTNING_ETT_HANG_WATCH"
 #: Set by ``lightning run``: its pid. Its forkserver and workers die with it (:mod:`lightning_ett.lifecycle.lifeline`).
 ENV_LAUNCHER_PID = "LIGHTNING_ETT_LAUNCHER_PID"
-#: Set by ``lightning run``: the first attempt number of this launch (a relaunch into a run dir continues the numbers),
-#: so a worker knows whether it is a restart within the launch.
-ENV_LAUNCH_FIRST_ATTEMPT = "LIGHTNING_ETT_LAUNCH_FIRST_ATTEMPT"
 #: Set by ``lightning run``: a token unique to the launch. Every process the job starts inherits it, so the
 #: launcher's sweeper finds them all when the launcher dies (:mod:`lightning_ett.lifecycle.sweeper`).
 ENV_LAUNCH_TOKEN = "LIGHTNING_ETT_LAUNCH_TOKEN"
@@ -70,15 +67,15 @@ def import_time() -> float:
     return _imported_at if _imported_at is not None else time.time()
 
 
-def process_start_time(pid: int | None = None) -> float:
-    """Wall-clock time at which the OS created this process (or process ``pid``).
+def process_start_time() -> float:
+    """Wall-clock time at which the OS created this process.
 
     Linux exposes the start in clock ticks since boot; pairing it with ``CLOCK_BOOTTIME``
     gives ~10 ms precision (``psutil`` pairs it with the integer boot time: ±1 s). Elsewhere
     the import time of this package is the best lower-effort bound.
     """
     try:
-        with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as f:
+        with open("/proc/self/stat", encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         start_ticks = int(fields[19])  # field 22 of stat(5); two fields precede the ")" split
         since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
@@ -87,27 +84,17 @@ def process_start_time(pid: int | None = None) -> float:
         return import_time()
 
 
-def restarted_launch_start() -> float | None:
-    """When the launch this worker belongs to started, if this worker is a *restart* within it; else ``None``.
+def launch_attempt() -> tuple[str, int] | None:
+    """``lightning run``'s launch token and this worker's attempt number; ``None`` outside ``lightning run``.
 
-    So a restart can tell what its launch has done since it began. ``lightning run``: an attempt
-    after the launch's first (:data:`ENV_LAUNCH_FIRST_ATTEMPT`), and its process's start
-    (:data:`ENV_LAUNCHER_PID`). torchrun: ``TORCHELASTIC_RESTART_COUNT`` > 0 (on a node whose
-    workers were healthy when another's failed it stays 0: no answer there), and its agent's
-    start (the worker's parent). ``None`` as well without a launcher that restarts, or off Linux.
+    What a checkpoint's manifest records of the launch that committed it, so a restart within
+    the launch can find the launch's own checkpoints: the token is unique to one launch on one
+    node, so no clock and no restart counter is compared.
     """
-    pid, first, attempt = (os.environ.get(ENV_LAUNCHER_PID, ""), os.environ.get(ENV_LAUNCH_FIRST_ATTEMPT, ""),
-                           os.environ.get(ENV_ATTEMPT, ""))
-    if pid.isdigit():
-        if not (first.isdigit() and attempt.isdigit() and int(attempt) > int(first)):
-            return None
-    elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
-        pid = str(os.getppid())
-    else:
+    token, attempt = os.environ.get(ENV_LAUNCH_TOKEN, ""), os.environ.get(ENV_ATTEMPT, "")
+    if ENV_LAUNCHER not in os.environ or not token or not attempt.isdigit():
         return None
-    if not os.path.exists(f"/proc/{pid}/stat"):
-        return None
-    return process_start_time(int(pid))
+    return token, int(attempt)
 
 
 def env_rank() -> int:

@@ -65,7 +65,6 @@ from lightning_ett.instrument.environment import (
     ENV_HANG_WATCH,
     ENV_JOB_ID,
     ENV_JOB_START,
-    ENV_LAUNCH_FIRST_ATTEMPT,
     ENV_LAUNCHER,
     ENV_LAUNCHER_PID,
     ENV_RUN_DIR,
@@ -126,7 +125,8 @@ def next_attempt(run_dir: Path) -> int:
 
 def failure_reason(exitcode: int, stderr_file: str | None) -> str:
     """A one-line reason: the signal that killed the rank or its last exception line."""
-    tail = [_LOG_PREFIX.sub("", line, count=1).strip() for line in _tail(stderr_file)]
+    raw = [_LOG_PREFIX.sub("", line, count=1) for line in _tail(stderr_file)]
+    tail = [line.strip() for line in raw]
     if exitcode < 0:
         try:
             reason = f"killed by {signal.Signals(-exitcode).name}"
@@ -137,30 +137,33 @@ def failure_reason(exitcode: int, stderr_file: str | None) -> str:
     for line in reversed(tail):
         if _EXCEPTION_LINE.match(line):
             return f"exit code {exitcode}: {line[:500]}"
-    usage = _usage_error(tail)
+    usage = _usage_error(raw) if exitcode in (2, EXIT_NOT_RETRYABLE) else None  # how a parser's error exits
     if usage is not None:
         return f"exit code {exitcode}: {usage[:500]}"
     last = next((line for line in reversed(tail) if line), None)  # e.g. sys.exit("message")
     return f"exit code {exitcode}: {last[:500]}" if last else f"exit code {exitcode}"
 
 
-def _usage_error(tail: list[str]) -> str | None:
+def _usage_error(raw: list[str]) -> str | None:
     """An argument parser's error (argparse's ``prog: error: ...``, LightningCLI's jsonargparse ``error: ...``) on one
-    line: it, and the nested lines that name the key and the value at fault, up to the first value given.
+    line, if the log ends with it: it, and the nested lines that name the key and the value at fault, up to the
+    first value given. ``raw``: the log's lines, indentation kept (only indented lines may follow the error's).
 
     Why not the last line: jsonargparse ends with the whole list it was given (``Given value: [Namespace(...)]``),
     and names the bad key and value (``Parser key "every_n_train_steps"``, ``Given value: autoo``) lines above.
     """
-    for i in range(len(tail) - 1, -1, -1):
-        if _USAGE_ERROR.match(tail[i]):
+    for i in range(len(raw) - 1, -1, -1):
+        if _USAGE_ERROR.match(raw[i]):
             details = []
-            for line in (raw.lstrip("- ") for raw in tail[i + 1:]):
+            for line in (line.strip().lstrip("- ") for line in raw[i + 1:]):
                 if _USAGE_DETAIL.match(line):
                     details.append(line)
                     if line.startswith("Given value:") or "Got value:" in line or line.endswith("is not accepted") or (
                             len(details) == 4):
                         break
-            return " ".join([tail[i], *details])
+            return " ".join([raw[i].strip(), *details])
+        if raw[i].strip() and not raw[i][:1].isspace():
+            return None  # a line of its own after any error block: the log does not end with a parser's error
     return None
 
 
@@ -652,7 +655,6 @@ def launch(opts: LaunchOptions) -> int:
         try:
             service = WandbService() if mentions(MENTIONS_WANDB, opts.script, opts.script_args) else None
             recorder = LaunchRecorder(opts, job_start, service, token=sweeper.token)
-            os.environ[ENV_LAUNCH_FIRST_ATTEMPT] = str(recorder.first_attempt)  # (before the forkserver starts)
             if opts.num_nodes > 1 and opts.main_port is not None:
                 recorder.peers = PeerWatch(opts.main_address, opts.main_port, opts.job_id, opts.node_rank,
                                            opts.num_nodes, recorder.address or socket.gethostname(), on_event=recorder.peer_event,

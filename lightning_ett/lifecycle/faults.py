@@ -80,15 +80,16 @@ def faults_from_env() -> tuple[KillFault, ...]:
     return parse_kill_faults(os.environ.get(ENV_FAULT_KILL))
 
 
-def _due(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int) -> bool:
-    """A fault names this rank and attempt and a step this one reached: ``global_step`` may pass it without
-    stopping on it (two optimizers under manual optimization advance it by 2)."""
-    return any(f.rank == rank and f.attempt == attempt and step >= f.step for f in faults)
+def _due(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int, began_at: int) -> bool:
+    """A fault names this rank and attempt and a step this fit completed (``began_at``: the global step it began or
+    resumed at, completed before it): ``global_step`` may pass the step without stopping on it (two optimizers under
+    manual optimization advance it by 2); a fit resumed at or past it never completes it."""
+    return any(f.rank == rank and f.attempt == attempt and began_at < f.step <= step for f in faults)
 
 
-def maybe_kill(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int) -> None:
+def maybe_kill(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int, began_at: int = 0) -> None:
     """SIGKILL this process at the first step at or after one a fault names for this rank and attempt."""
-    if _due(faults, rank, step, attempt):
+    if _due(faults, rank, step, attempt, began_at):
         print(f"{FAULT_INJECTION}: SIGKILL rank {rank} at step {step} of attempt {attempt}",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -165,10 +166,10 @@ def hang_in_collective(group: Any) -> None:
     hang_in_python()  # should the collective ever return, stay hung
 
 
-def maybe_hang(faults: HangFaults, rank: int, step: int, attempt: int, group: Any = None) -> None:
+def maybe_hang(faults: HangFaults, rank: int, step: int, attempt: int, group: Any = None, began_at: int = 0) -> None:
     """Hang this rank at the first step at or after one a hang fault names for this rank and attempt."""
-    where = ("in Python" if _due(faults.in_python, rank, step, attempt)
-             else "in a collective" if _due(faults.in_collective, rank, step, attempt) else None)
+    where = ("in Python" if _due(faults.in_python, rank, step, attempt, began_at)
+             else "in a collective" if _due(faults.in_collective, rank, step, attempt, began_at) else None)
     if where is None:
         return
     print(f"{FAULT_INJECTION}: rank {rank} hangs {where} at step {step} of attempt {attempt} "
