@@ -129,13 +129,16 @@ LightningCLI(BoringModel, args=["fit", "--config", sys.argv[1]])
 @pytest.mark.parametrize(("init_args", "named"), [
     ({"every_n_train_steps": "autoo"}, 'Parser key "every_n_train_steps": Given value: autoo'),
     ({"every_n_train_step": 10}, "Option 'every_n_train_step' is not accepted"),
+    ("Checkpointt", "module 'lightning_ett' has no attribute 'AsyncCheckpointt'"),  # a class path's typo
 ])
 def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_list_it_was_in(tmp_path, init_args,
                                                                                             named):
     """jsonargparse ends its error with the whole callbacks list it was given; the reason must name the fault."""
     config = tmp_path / "config.yaml"
+    name = "AsyncCheckpointt" if init_args == "Checkpointt" else "AsyncCheckpoint"
+    init_args = {} if init_args == "Checkpointt" else init_args
     callbacks = [{"class_path": "lightning_ett.ETTMonitor"},
-                 {"class_path": "lightning_ett.AsyncCheckpoint", "init_args": {"dirpath": str(tmp_path), **init_args}}]
+                 {"class_path": f"lightning_ett.{name}", "init_args": {"dirpath": str(tmp_path), **init_args}}]
     config.write_text(json.dumps({"trainer": {"callbacks": callbacks}}))
     proc = run_script("-c", BAD_CLI_CONFIG, str(config), timeout=120)
     assert proc.returncode != 0
@@ -143,7 +146,7 @@ def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_li
     log.write_text(proc.stderr)
     reason = failure_reason(proc.returncode, str(log))
     assert reason.startswith(f"exit code {proc.returncode}: error: Parser key \"trainer.callbacks\": Problem with given "
-                             "class_path 'lightning_ett.AsyncCheckpoint': "), reason
+                             f"class_path 'lightning_ett.{name}': "), reason
     assert reason.endswith(named) and "Namespace(" not in reason, reason
     log.write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: argument --lr: invalid float value: 'x'\n")
     assert failure_reason(2, str(log)) == "exit code 2: train.py: error: argument --lr: invalid float value: 'x'"

@@ -154,12 +154,13 @@ def _usage_error(raw: list[str]) -> str | None:
     """
     for i in range(len(raw) - 1, -1, -1):
         if _USAGE_ERROR.match(raw[i]):
-            details = []
+            details: list[str] = []
             for line in (line.strip().lstrip("- ") for line in raw[i + 1:]):
-                if _USAGE_DETAIL.match(line):
+                after_class_path = bool(details) and details[-1].startswith("Problem with given class_path")
+                if after_class_path or _USAGE_DETAIL.match(line):  # (the line after a class path's: its reason)
                     details.append(line)
-                    if line.startswith("Given value:") or "Got value:" in line or line.endswith("is not accepted") or (
-                            len(details) == 4):
+                    if (after_class_path and not line.endswith(":")) or line.startswith("Given value:") or (
+                            "Got value:" in line or line.endswith("is not accepted") or len(details) == 4):
                         break
             return " ".join([raw[i].strip(), *details])
         if raw[i].strip() and not raw[i][:1].isspace():
