@@ -77,47 +77,51 @@ def test_an_explicit_ckpt_path_wins_over_automatic_resume(tmp_path):
     assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000004")
 
 
-def test_a_restart_of_a_launch_begun_from_ckpt_path_resumes_from_what_it_committed_since(tmp_path):
+def test_a_restart_of_a_job_begun_from_ckpt_path_resumes_from_what_it_committed_since(tmp_path):
     """Going back to ckpt_path at every restart would re-run every step since (a fine-tune from a pretrained
-    checkpoint would never get past its MTBF); a new launch begins from ckpt_path again."""
+    checkpoint would never get past its MTBF); a relaunch of the job continues it; a new job begins from ckpt_path."""
     assert run_job(tmp_path, "--max-steps", "8", "--every", "4").returncode == 0  # an earlier job: steps 4 and 8
     start = tmp_path / "ckpt" / "step-000000004"
-    job = (JOB, "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "14", "--every", "3", "--keep", "10", "--step-sleep", "0.2",
-           "--ckpt-path", str(start))
-    restarted = launch(*job, "--out", str(tmp_path / "b"), "--devices", "2", run_dir=tmp_path / "b" / "ett", devices=2,
-                       max_restarts=1, LIGHTNING_ETT_FAULT_KILL="1:12")  # rank 0 decides, rank 1 takes its answer
+    job = (JOB, "--ckpt-dir", str(tmp_path / "ckpt"), "--every", "3", "--keep", "10", "--step-sleep", "0.2",
+           "--ckpt-path", str(start), "--devices", "2")
+    restarted = launch(*job, "--out", str(tmp_path / "b"), "--max-steps", "14", run_dir=tmp_path / "b" / "ett",
+                       devices=2, max_restarts=1, LIGHTNING_ETT_FAULT_KILL="1:12")  # rank 0 decides, rank 1 follows
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "SIGKILL rank 1 at step 12 of attempt 0" in restarted.stderr
     resumed_from = Path(result(tmp_path, "b")["resumed_from"]).name
-    assert resumed_from in ("step-000000006", "step-000000009", "step-000000012"), resumed_from  # this launch's
-    assert f"is where this launch began; this is a restart, so it resumes from {tmp_path / 'ckpt' / resumed_from}" in (
+    assert resumed_from in ("step-000000006", "step-000000009", "step-000000012"), resumed_from  # this job's
+    assert f"is where this job began; it has trained since, so it resumes from {tmp_path / 'ckpt' / resumed_from}" in (
         restarted.stderr)
     assert result(tmp_path, "b")["global_step"] == 14
-    again = launch(*job, "--out", str(tmp_path / "c"), "--devices", "2", run_dir=tmp_path / "c" / "ett", devices=2)
+    relaunched = launch(*job, "--out", str(tmp_path / "b"), "--max-steps", "17", run_dir=tmp_path / "b" / "ett",
+                        devices=2)  # the same job, started again into its run dir (a requeue): it goes on
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert Path(result(tmp_path, "b")["resumed_from"]).name == "step-000000014"
+    again = launch(*job, "--out", str(tmp_path / "c"), "--max-steps", "14", run_dir=tmp_path / "c" / "ett", devices=2)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert Path(result(tmp_path, "c")["resumed_from"]) == start  # a new launch: where ckpt_path says
-    assert "is where this launch began" not in again.stderr
+    assert Path(result(tmp_path, "c")["resumed_from"]) == start  # a new job: where ckpt_path says
+    assert "is where this job began" not in again.stderr
 
 
-def test_only_an_earlier_attempt_of_the_same_launch_is_resumed_from_over_ckpt_path(tmp_path, monkeypatch):
-    """The manifest records the launch (its token) and attempt that committed it: a launch's first attempt, a second
-    fit in the same attempt and another launch find nothing of theirs, whatever the clocks say."""
+def test_only_an_earlier_attempt_of_the_same_job_is_resumed_from_over_ckpt_path(tmp_path, monkeypatch):
+    """The manifest records the job (its id) and attempt that committed it: the job's first attempt, a second fit in
+    the same attempt and another job find nothing of theirs, whatever the clocks and nodes."""
     from lightning_ett.instrument import environment as env
 
     monkeypatch.delenv(env.ENV_LAUNCHER, raising=False)
-    assert env.launch_attempt() is None  # not under `lightning run` (torchrun, python): ckpt_path as given
+    assert env.job_attempt() is None  # not under `lightning run` (torchrun, python): ckpt_path as given
     monkeypatch.setenv(env.ENV_LAUNCHER, "lightning run")
-    monkeypatch.setenv(env.ENV_LAUNCH_TOKEN, "launch-a")
-    monkeypatch.setenv(env.ENV_ATTEMPT, "3")  # a launch into a run dir whose attempts 0-2 were another launch's
-    assert env.launch_attempt() == ("launch-a", 3)
+    monkeypatch.setenv(env.ENV_JOB_ID, "job-a")
+    monkeypatch.setenv(env.ENV_ATTEMPT, "3")
+    assert env.job_attempt() == ("job-a", 3)
+    launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: "job-a", env.ENV_ATTEMPT: "3"}
     assert run_script(JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "8",
-                      "--every", "4", **{env.ENV_LAUNCHER: "lightning run", env.ENV_LAUNCH_TOKEN: "launch-a",
-                                         env.ENV_ATTEMPT: "3"}).returncode == 0
+                      "--every", "4", **launched).returncode == 0
     entries = fmt.committed(tmp_path / "ckpt")
-    assert [e.launch for e in entries] == [("launch-a", 3)] * 2
-    assert fmt.newest_complete(tmp_path / "ckpt", launch=("launch-a", 3)) is None  # the same attempt: not a restart
-    assert fmt.newest_complete(tmp_path / "ckpt", launch=("launch-b", 4)) is None  # another launch
-    assert fmt.newest_complete(tmp_path / "ckpt", launch=("launch-a", 4)) == entries[-1].path  # its restart
+    assert [e.job for e in entries] == [("job-a", 3)] * 2
+    assert fmt.newest_complete(tmp_path / "ckpt", job=("job-a", 3)) is None  # the same attempt: not a later start
+    assert fmt.newest_complete(tmp_path / "ckpt", job=("job-b", 4)) is None  # another job
+    assert fmt.newest_complete(tmp_path / "ckpt", job=("job-a", 4)) == entries[-1].path  # its restart or relaunch
 
 
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SCRIPTS, run_script
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -138,6 +139,9 @@ def test_the_isa_probe_runs_only_where_a_module_is_compiled_and_is_never_cut_off
         return cache
 
     assert fit(BoringModel())._isa_probe is None and not probed.is_set()  # nothing compiled: no probe
+    assert fit(torch.compile(BoringModel(), backend="eager"))._isa_probe is not None  # Lightning's own idiom
+    probed.clear()
+    slow_probe.cache_clear()
     cache = fit(CompiledLayer())
     assert cache._isa_probe is not None and cache._isa_probe.done.is_set() and probed.is_set()  # waited for at the end
     for _ in range(100):  # (the probe's thread puts inductor's function back just after it says it is done)

@@ -187,6 +187,8 @@ def test_a_kill_fault_fires_where_the_step_count_passes_its_step_without_stoppin
     assert killed == []
     maybe_kill(faults, 1, 36, 0)
     assert killed == [faults_module.signal.SIGKILL]
+    maybe_kill(parse_kill_faults("1:0"), 1, 0, 0)  # step 0: the first batch of a fresh fit (under accumulation)
+    assert len(killed) == 2
 
 
 def test_the_failure_rate_switch_draws_the_same_failures_for_the_same_seed(monkeypatch):

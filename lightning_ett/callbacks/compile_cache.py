@@ -158,13 +158,16 @@ class CompileCache(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._isa_probe is not None:  # done already if anything compiled; a process ending mid-build leaves
-            self._isa_probe.wait(timeout=GATE_TIMEOUT_S)  # a partial library inductor never rebuilds
-        self._patches.undo()  # (the probe's gate takes itself away when the probe ends: IsaProbe)
+        self._end()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._patches.undo()
+        self._end()  # (Lightning calls no teardown after an exception)
+
+    def _end(self) -> None:
+        if self._isa_probe is not None:  # done already if anything compiled; a process ending mid-build leaves
+            self._isa_probe.wait(timeout=GATE_TIMEOUT_S)  # a partial library inductor never rebuilds
+        self._patches.undo()  # (the probe's gate takes itself away when the probe ends: IsaProbe)
 
     @override
     def state_dict(self) -> dict[str, Any]:

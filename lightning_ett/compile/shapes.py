@@ -101,8 +101,8 @@ def mark_compiled_inputs(root: nn.Module, patches: Patches, batch_size: Callable
             mark_batch_dynamic((args, kwargs), batch_dim, size=size)
 
     for module in compiled_submodules(root):
-        if id(module) in seen:
-            continue
+        if id(module) in seen or getattr(module, "_compiler_ctx", None) is not None:  # (fit(torch.compile(model)):
+            continue  # Lightning compiles the LightningModule's steps, whose arguments are the batch, marked already)
         if isinstance(module, OptimizedModule):
             handle = module.register_forward_pre_hook(lambda _m, args, kwargs: mark(args, kwargs), with_kwargs=True)
             patches.call_on_undo(handle.remove)
@@ -120,9 +120,11 @@ def mark_compiled_inputs(root: nn.Module, patches: Patches, batch_size: Callable
 
 def compiled_submodules(root: nn.Module) -> list[nn.Module]:
     """``root`` and its submodules that ``torch.compile`` wraps: ``module.compile()``-d ones (their
-    ``_compiled_call_impl``) and ``torch.compile(module)``'s ``OptimizedModule``. A function compiled
-    with ``@torch.compile`` is not a module and is not found."""
+    ``_compiled_call_impl``), ``torch.compile(module)``'s ``OptimizedModule``, and a LightningModule
+    given to ``fit`` as ``torch.compile(model)`` (Lightning unwraps it and keeps ``_compiler_ctx``). A
+    function compiled with ``@torch.compile`` is not a module and is not found."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     return [m for m in root.modules()
-            if isinstance(m, OptimizedModule) or m.__dict__.get("_compiled_call_impl") is not None]
+            if isinstance(m, OptimizedModule) or m.__dict__.get("_compiled_call_impl") is not None
+            or getattr(m, "_compiler_ctx", None) is not None]

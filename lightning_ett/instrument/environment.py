@@ -84,17 +84,19 @@ def process_start_time() -> float:
         return import_time()
 
 
-def launch_attempt() -> tuple[str, int] | None:
-    """``lightning run``'s launch token and this worker's attempt number; ``None`` outside ``lightning run``.
+def job_attempt() -> tuple[str, int] | None:
+    """``lightning run``'s job id and this worker's attempt number; ``None`` outside ``lightning run``.
 
-    What a checkpoint's manifest records of the launch that committed it, so a restart within
-    the launch can find the launch's own checkpoints: the token is unique to one launch on one
-    node, so no clock and no restart counter is compared.
+    What a checkpoint's manifest records of the job and attempt that committed it, so a later
+    start of the job (a restart, or a relaunch into its run dir) finds the job's own checkpoints.
+    Both are the same on every node (the job id is given to, or read from the run dir by, every
+    node's launcher; attempts are numbered alike on every node), so no clock, restart counter or
+    per-node value is compared, and whichever node rank 0 lands on reads them alike.
     """
-    token, attempt = os.environ.get(ENV_LAUNCH_TOKEN, ""), os.environ.get(ENV_ATTEMPT, "")
-    if ENV_LAUNCHER not in os.environ or not token or not attempt.isdigit():
+    job, attempt = os.environ.get(ENV_JOB_ID, ""), os.environ.get(ENV_ATTEMPT, "")
+    if ENV_LAUNCHER not in os.environ or not job or not attempt.isdigit():
         return None
-    return token, int(attempt)
+    return job, int(attempt)
 
 
 def env_rank() -> int:

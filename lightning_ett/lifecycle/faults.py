@@ -84,7 +84,8 @@ def _due(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int, bega
     """A fault names this rank and attempt and a step this fit completed (``began_at``: the global step it began or
     resumed at, completed before it): ``global_step`` may pass the step without stopping on it (two optimizers under
     manual optimization advance it by 2); a fit resumed at or past it never completes it."""
-    return any(f.rank == rank and f.attempt == attempt and began_at < f.step <= step for f in faults)
+    return any(f.rank == rank and f.attempt == attempt and (began_at < f.step or f.step == began_at == 0)
+               and f.step <= step for f in faults)  # (step 0: the first batch of a fresh fit, under accumulation)
 
 
 def maybe_kill(faults: tuple[KillFault, ...], rank: int, step: int, attempt: int, began_at: int = 0) -> None:

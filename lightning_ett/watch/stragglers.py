@@ -18,8 +18,9 @@ taken to run at one rate: two clocks 10 ppm apart drift 5 x N steps x 10 ppm, 1.
 default threshold (10 % of a step, N = 25) whatever the step time.
 Then, per batch and point, a rank's lateness is its stamp minus the earliest rank's; per batch,
 the larger of its two; its score, the median over the window: the seconds per batch the others
-waited for it. It is named when that score passes the threshold *and* it was the last rank in at
-least :data:`MIN_LAST_SHARE` of the window's batches: honest jitter makes every rank late by turns.
+waited for it. It is named when that score passes the threshold *and* it was among the last ranks
+(within the threshold of the latest) in at least :data:`MIN_LAST_SHARE` of the window's batches:
+honest jitter makes every rank late by turns.
 The first window has no earlier gather to measure from: it only sets the origin
 (with :data:`ORIGIN_GATHERS` gathers in a row, so the next window's offsets are a median already).
 
@@ -54,10 +55,11 @@ from lightning_ett.instrument.straggler_facts import WARN_AFTER_WINDOWS
 #: Measured on clean 2-rank runs on 2 cores (tests/distributed/test_stragglers.py, 2026-12-04): the highest
 #: window 1.3-1.6 ms, and once 2.1 ms in two windows in a row, a false warning under the former 2 ms floor.
 MIN_THRESHOLD_S = 0.003
-#: The share of a window's batches in which a rank must be the last (the one the others waited for) to be named. A
-#: median lateness over the threshold alone named healthy ranks under honest per-batch jitter (a new-user trial: both
-#: ranks' reads drawn from one 0-60 ms distribution, 300 steps; a warning in about half of such runs, simulated):
-#: each rank is then the last in about 1/N of the batches, a straggler in nearly all.
+#: The share of a window's batches in which a rank must be among the last (within the threshold of the latest rank:
+#: the others waited for it) to be named. A median lateness over the threshold alone named healthy ranks under honest
+#: per-batch jitter (a new-user trial: both ranks' reads drawn from one 0-60 ms distribution, 300 steps; a warning in
+#: about half of such runs, simulated): each rank is then among the last by turns; a straggler, or every rank of a
+#: slow node (which "the last" alone would never name: they take turns), in nearly every batch.
 MIN_LAST_SHARE = 0.75
 #: Gathers whose leave times give each rank's clock offset (their median): one noisy exit cannot shift a window.
 OFFSET_GATHERS = 5
@@ -135,7 +137,20 @@ class WindowScores:
     data_scores: tuple[float, ...]  # the same at ``ready`` alone: how much of it is the data side
     batches: int
     step_s: float  # median step period of the earliest rank (nan with one batch)
-    last_share: tuple[float, ...] = ()  # the share of the window's batches in which each rank was the last
+    lateness: Any = None  # per rank and batch, max(ready, forward) lateness (ranks x batches; nan: a missing stamp)
+
+    def last_shares(self, tolerance: float) -> tuple[float, ...]:
+        """Per rank, the share of the batches (stamped by every rank) in which it was among the last: within
+        ``tolerance`` of the latest rank, the one the others waited for. Honest jitter spreads it over the ranks; a
+        straggler (or each rank of a slow node) holds it in nearly every batch. Empty without ``lateness``."""
+        if self.lateness is None:
+            return ()
+        late = np.asarray(self.lateness)
+        scored = late[:, ~np.isnan(late).any(axis=0)]
+        if scored.shape[1] == 0:
+            return tuple(0.0 for _ in range(late.shape[0]))
+        among_last = scored >= scored.max(axis=0) - tolerance
+        return tuple(float(share) for share in among_last.mean(axis=1))
 
     def side(self, rank: int) -> str:
         """``data`` when the rank is already late at ``ready``, else ``compute`` (late only after the forward)."""
@@ -167,18 +182,7 @@ def window_scores(rows: Any) -> WindowScores | None:
     data_scores = _row_medians(late_ready)
     step_s = float(_row_medians(np.diff(earliest)[None, :])[0]) if count >= 2 else math.nan
     clean = tuple(float(s) if math.isfinite(s) else 0.0 for s in scores)
-    return WindowScores(clean, tuple(float(s) if math.isfinite(s) else 0.0 for s in data_scores), count, step_s,
-                        _last_shares(late))
-
-
-def _last_shares(late: np.ndarray) -> tuple[float, ...]:
-    """Per rank, the share of the batches (with a stamp from every rank) in which it was the last: the one the
-    others waited for. Honest jitter spreads it over the ranks; a straggler holds it in nearly every batch."""
-    scored = ~np.isnan(late).any(axis=0)
-    if not scored.any():
-        return tuple(0.0 for _ in range(late.shape[0]))
-    last = np.argmax(late[:, scored], axis=0)
-    return tuple(float(np.mean(last == rank)) for rank in range(late.shape[0]))
+    return WindowScores(clean, tuple(float(s) if math.isfinite(s) else 0.0 for s in data_scores), count, step_s, late)
 
 
 def _row_medians(values: np.ndarray) -> np.ndarray:
@@ -222,6 +226,7 @@ class Verdict:
     step_s: float | None  # the step time the threshold was a fraction of
     streak: int  # consecutive windows (this one included) naming this straggler
     warn: bool  # the streak just reached WARN_AFTER_WINDOWS
+    last_shares: tuple[float, ...] = ()  # per rank: the share of batches it was among the last (within the threshold)
 
     @property
     def score_s(self) -> float:
@@ -238,7 +243,7 @@ class Verdict:
             "score_s": round(self.score_s, 6),
             "side": self.side,
             "scores": [round(s, 5) for s in self.window.scores],
-            "last_share": [round(s, 3) for s in self.window.last_share],
+            "last_share": [round(s, 3) for s in self.last_shares],
             "batches": self.window.batches,
             "threshold_s": round(self.threshold_s, 6),
             "step_s": round(self.step_s, 6) if self.step_s is not None and math.isfinite(self.step_s) else None,
@@ -270,7 +275,8 @@ class StragglerTracker:
         step_s = ideal_step_s if ideal_step_s is not None and ideal_step_s > 0 else window.step_s
         limit = threshold_s(self.fraction, step_s, self.floor)
         worst = max(range(len(window.scores)), key=window.scores.__getitem__)
-        consistent = not window.last_share or window.last_share[worst] >= MIN_LAST_SHARE
+        shares = window.last_shares(tolerance=limit)
+        consistent = not shares or shares[worst] >= MIN_LAST_SHARE
         straggler = worst if window.scores[worst] > limit and consistent else None
         previous, streak = self._streak
         streak = streak + 1 if straggler is not None and straggler == previous else (1 if straggler is not None else 0)
@@ -279,5 +285,5 @@ class StragglerTracker:
         if straggler is not None:
             self.named[straggler] += 1
         self.latest = Verdict(window, straggler, limit, step_s if step_s is not None and math.isfinite(step_s) else None,
-                              streak, streak == self.warn_after)
+                              streak, streak == self.warn_after, shares)
         return self.latest

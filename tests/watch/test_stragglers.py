@@ -114,14 +114,26 @@ def test_without_forward_stamps_the_data_side_still_shows():
 def test_honest_jitter_on_every_rank_names_no_one_and_a_jittery_straggler_still_is_named(world):
     """A new-user trial: both ranks' reads drawn from one 0-60 ms distribution, 300 steps; the median lateness alone
     crossed the threshold and warned in about half of such runs. Each rank is the last by turns there."""
+    named = windows = 0
     for seed in range(20):
         tracker = StragglerTracker(0.1)
         verdicts = [tracker.observe(w) for w in simulate(world, windows=12, data_jitter=0.06, seed=seed)[1:]]
-        assert not any(v.warn for v in verdicts) and sum(v.straggler is not None for v in verdicts) <= 1, seed
+        assert not any(v.warn for v in verdicts), seed  # never two windows in a row (measured: 0 of 40 seeds)
+        named, windows = named + sum(v.straggler is not None for v in verdicts), windows + len(verdicts)
+    assert named <= 0.15 * windows  # a single window now and then (measured: 30 of 440 with 2 ranks, 0 with 8)
     tracker = StragglerTracker(0.1)
     verdicts = [tracker.observe(w) for w in simulate(world, windows=4, data={1: 0.05}, data_jitter=0.02)[1:]]
     assert [v.straggler for v in verdicts] == [1, 1, 1] and verdicts[1].warn
-    assert all(w.last_share[1] >= 0.9 for w in (v.window for v in verdicts))
+    assert all(v.last_shares[1] >= 0.9 for v in verdicts)
+
+
+def test_two_ranks_slow_together_a_slow_node_are_still_named():
+    """Each is the latest by turns, but both are among the last (within the threshold) in nearly every batch."""
+    for world, slow in [(4, (2, 3)), (16, tuple(range(8, 16)))]:
+        verdicts = [StragglerTracker(0.1).observe(w) for w in
+                    simulate(world, windows=4, data=dict.fromkeys(slow, 0.05), data_jitter=0.004)[1:]]
+        assert all(v.straggler in slow for v in verdicts), [v.straggler for v in verdicts]
+        assert all(min(v.last_shares[r] for r in slow) >= 0.9 for v in verdicts)
 
 
 def test_threshold_is_a_fraction_of_the_step_with_a_floor():
