@@ -90,38 +90,39 @@ def test_a_restart_of_a_job_begun_from_ckpt_path_resumes_from_what_it_committed_
     assert "SIGKILL rank 1 at step 12 of attempt 0" in restarted.stderr
     resumed_from = Path(result(tmp_path, "b")["resumed_from"]).name
     assert resumed_from in ("step-000000006", "step-000000009", "step-000000012"), resumed_from  # this job's
-    assert f"is where this job began; it has trained since, so it resumes from {tmp_path / 'ckpt' / resumed_from}" in (
+    assert f"has trained since: it resumes from {tmp_path / 'ckpt' / resumed_from}, the newest checkpoint" in (
         restarted.stderr)
     assert result(tmp_path, "b")["global_step"] == 14
     relaunched = launch(*job, "--out", str(tmp_path / "b"), "--max-steps", "17", run_dir=tmp_path / "b" / "ett",
                         devices=2)  # the same job, started again into its run dir (a requeue): it goes on
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert Path(result(tmp_path, "b")["resumed_from"]).name == "step-000000014"
-    again = launch(*job, "--out", str(tmp_path / "c"), "--max-steps", "14", run_dir=tmp_path / "c" / "ett", devices=2)
+    again = launch(*job, "--out", str(tmp_path / "c"), "--max-steps", "14", run_dir=tmp_path / "c" / "ett",
+                   devices=2)  # a new job (its run dir has the same name: the same default job id)
     assert again.returncode == 0, again.stderr[-3000:]
     assert Path(result(tmp_path, "c")["resumed_from"]) == start  # a new job: where ckpt_path says
-    assert "is where this job began" not in again.stderr
+    assert "has trained since" not in again.stderr
 
 
-def test_only_an_earlier_attempt_of_the_same_job_is_resumed_from_over_ckpt_path(tmp_path, monkeypatch):
-    """The manifest records the job (its id) and attempt that committed it: the job's first attempt, a second fit in
-    the same attempt and another job find nothing of theirs, whatever the clocks and nodes."""
+def test_only_a_fit_of_the_same_job_begun_from_the_same_ckpt_path_is_continued(tmp_path, monkeypatch):
+    """The manifest records the job (its id) and the ckpt_path its fit began from: another job, or another ckpt_path
+    (a roll-back, the next stage of a script) finds nothing of its own, whatever the clocks, nodes or attempts."""
     from lightning_ett.instrument import environment as env
 
     monkeypatch.delenv(env.ENV_LAUNCHER, raising=False)
-    assert env.job_attempt() is None  # not under `lightning run` (torchrun, python): ckpt_path as given
-    monkeypatch.setenv(env.ENV_LAUNCHER, "lightning run")
-    monkeypatch.setenv(env.ENV_JOB_ID, "job-a")
-    monkeypatch.setenv(env.ENV_ATTEMPT, "3")
-    assert env.job_attempt() == ("job-a", 3)
-    launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: "job-a", env.ENV_ATTEMPT: "3"}
-    assert run_script(JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "8",
-                      "--every", "4", **launched).returncode == 0
+    assert env.launched_job() is None  # not under `lightning run` (torchrun, python): ckpt_path as given
+    assert run_job(tmp_path, "--max-steps", "4", "--every", "4", ckpt="origin").returncode == 0
+    origin = str(tmp_path / "origin" / "step-000000004")
+    launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: "job-a", env.ENV_ATTEMPT: "0",
+                env.ENV_RUN_DIR: str(tmp_path / "a" / "ett")}
+    job = f"job-a in {tmp_path / 'a' / 'ett'}"
+    assert run_script(JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "12",
+                      "--every", "4", "--ckpt-path", origin, **launched).returncode == 0
     entries = fmt.committed(tmp_path / "ckpt")
-    assert [e.job for e in entries] == [("job-a", 3)] * 2
-    assert fmt.newest_complete(tmp_path / "ckpt", job=("job-a", 3)) is None  # the same attempt: not a later start
-    assert fmt.newest_complete(tmp_path / "ckpt", job=("job-b", 4)) is None  # another job
-    assert fmt.newest_complete(tmp_path / "ckpt", job=("job-a", 4)) == entries[-1].path  # its restart or relaunch
+    assert [e.began for e in entries] == [(job, origin)] * 2  # steps 8 and 12
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin)) == entries[-1].path  # its later start
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin)) is None  # another job
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path))) is None  # a roll-back
 
 
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):

@@ -44,7 +44,7 @@ from lightning_ett.durable.errors import (
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, job_attempt
+from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, launched_job
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -107,8 +107,9 @@ class AsyncCheckpoint(Checkpoint):
             for it (``"wait"``; the wait counts as ``checkpoint_save``).
         resume: with no ``ckpt_path`` given to ``fit``, resume from the newest *complete*
             checkpoint in ``dirpath`` (damaged ones are skipped with a warning naming them).
-            An explicit ``ckpt_path`` wins where a job begins; a later start of the job under
-            ``lightning run`` (a restart, a relaunch) resumes from what the job committed, if anything.
+            An explicit ``ckpt_path`` wins where a fit begins; a later start of the job under
+            ``lightning run`` (a restart, a relaunch) resumes from what the job committed in a fit
+            begun from that same ``ckpt_path``, if anything.
         verify_checksums: on resume, check every file's CRC-32 (else only its size).
         overlap_staging: copy parameters and optimizer states in the background while the
             next step's forward runs (default). ``False`` copies everything at the boundary:
@@ -352,17 +353,20 @@ class AsyncCheckpoint(Checkpoint):
 
         Lightning passes ``ckpt_path`` to ``resume_start`` (on every rank, at the same point);
         the choice is made there. Only a fresh start (global step 0) resumes: a second ``fit``
-        on the same Trainer continues as is. An explicit ``ckpt_path`` is where the *job*
-        begins: a later start of it under ``lightning run`` (a restart, a relaunch into its run
-        dir) resumes from what an earlier attempt of the job committed, if anything (going back to
-        ``ckpt_path`` would re-run every step since, at every restart), and costs no verification
-        otherwise.
+        on the same Trainer continues as is. An explicit ``ckpt_path`` is where a fit begins: a
+        later start of the same fit under ``lightning run`` (a restart, a relaunch into the job's
+        run dir) resumes from what the job committed in a fit begun from that ``ckpt_path``, if
+        anything (going back would re-run every step since, at every restart), and costs no
+        verification otherwise.
         """
         connector = trainer._checkpoint_connector
         original = connector.resume_start
 
         def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
             if trainer.state.fn == "fit" and trainer.global_step == 0:
+                job = launched_job()
+                if self._writer is not None:  # what every checkpoint of this fit says it began from
+                    self._writer.manifest_fields = {"began": [job, str(checkpoint_path)]} if job and checkpoint_path else {}
                 if not checkpoint_path:
                     checkpoint_path = self._select_resume_checkpoint(trainer)
                 else:
@@ -372,36 +376,34 @@ class AsyncCheckpoint(Checkpoint):
         self._patches.setattr(connector, "resume_start", resume_start)
 
     def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any) -> str | None:
-        """Under ``lightning run``: the newest complete checkpoint an earlier attempt of this job committed, if any
-        (a restart, or a relaunch into the job's run dir; the job's first attempt has none). Rank 0 decides and every
-        rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
-        if job_attempt() is None:  # torchrun, or no launcher: ckpt_path as given (the same on every rank)
+        """Under ``lightning run``: the newest complete checkpoint this job committed in a fit begun from the same
+        ``ckpt_path``, if any (a restart, a relaunch into the job's run dir). Another ``ckpt_path`` (a roll-back, the
+        next stage of a multi-stage script) or another job finds none. Rank 0 decides and every rank takes its
+        answer: no rank decides alone, so none waits for a broadcast alone."""
+        job = launched_job()
+        if job is None:  # torchrun, or no launcher: ckpt_path as given (the same on every rank)
             return None
-        path = self._select_resume_checkpoint(trainer, of_this_job=True)
+        path = self._select_resume_checkpoint(trainer, began=(job, str(ckpt_path)))
         if path is not None:
-            rank_zero_warn(f"AsyncCheckpoint: fit(ckpt_path={str(ckpt_path)!r}) is where this job began; it has trained "
-                           f"since, so it resumes from {path}, the newest checkpoint it committed (going back would re-run "
-                           "every step since). To begin from ckpt_path again, start a new job (another --run-dir or "
-                           "--job-id) or pass AsyncCheckpoint(resume=False).")
+            rank_zero_warn(f"AsyncCheckpoint: this job began from fit(ckpt_path={str(ckpt_path)!r}) and has trained "
+                           f"since: it resumes from {path}, the newest checkpoint it committed from there (going back "
+                           "would re-run every step since). To begin from ckpt_path again, pass another ckpt_path, "
+                           "start a new job (another --run-dir or --job-id), or pass AsyncCheckpoint(resume=False).")
         return path
 
-    def _select_resume_checkpoint(self, trainer: pl.Trainer, of_this_job: bool = False) -> str | None:
+    def _select_resume_checkpoint(self, trainer: pl.Trainer, began: tuple[str, str] | None = None) -> str | None:
         """Rank 0 verifies, every rank gets its answer (or its error).
 
-        ``of_this_job``: only a checkpoint an earlier attempt of this job committed (nothing is
-        verified when none was).
+        ``began``: only a checkpoint whose manifest says it was committed by that job in a fit begun
+        from that ``ckpt_path`` (nothing is verified when none was).
         """
         answer: tuple[str | None, str | None] = (None, None)
         if trainer.is_global_zero:
             start = time.time()
             try:
-                job = job_attempt() if of_this_job else None
                 found = None
-                if job is not None:
-                    if any(fmt.committed_by_earlier_attempt(e, job) for e in fmt.committed(self.dirpath)):
-                        found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, job=job)
-                elif not of_this_job:
-                    found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums)
+                if began is None or any(e.began == began for e in fmt.committed(self.dirpath)):
+                    found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load

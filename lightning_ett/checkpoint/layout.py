@@ -45,7 +45,6 @@ from lightning_ett.durable import manifest
 from lightning_ett.durable.commit import commit_directory, replaced_path
 from lightning_ett.durable.errors import IncompleteCheckpointError
 from lightning_ett.durable.manifest import MANIFEST_FILE, read_manifest
-from lightning_ett.instrument.environment import job_attempt
 
 META_FILE = "lightning.pt"
 LATEST_FILE = "latest"
@@ -111,7 +110,7 @@ class CheckpointEntry:
     chain: tuple[str, ...] = ()  # an incremental checkpoint's: the names it needs to be restored
     rebase: bool = False  # a rebase: every row changed since its chain's full save
     chain_seqs: tuple[int, ...] = ()  # the commit number of each member of ``chain``
-    job: tuple[str, int] | None = None  # the ``lightning run`` job (its id) and attempt that committed it
+    began: tuple[str, str] | None = None  # the job (its id) and the ckpt_path of the fit that committed it, if recorded
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
@@ -124,11 +123,11 @@ def committed(root: Path) -> list[CheckpointEntry]:
         if m and d.is_dir() and (d / MANIFEST_FILE).is_file():
             fields = read_manifest(d, FORMAT) or {}
             seq, links = fields.get("seq"), chain_links(fields)
-            job = fields.get("job")
-            valid = isinstance(job, list) and len(job) == 2 and isinstance(job[0], str) and isinstance(job[1], int)
+            began = fields.get("began")
+            valid = isinstance(began, list) and len(began) == 2 and all(isinstance(b, str) for b in began)
             entries.append(CheckpointEntry(d, int(m.group(1)), seq if isinstance(seq, int) else 0,
                                            tuple(link["name"] for link in links), bool(fields.get("rebase")),
-                                           tuple(link["seq"] for link in links), tuple(job) if valid else None))
+                                           tuple(link["seq"] for link in links), tuple(began) if valid else None))
     return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
@@ -136,17 +135,12 @@ def next_seq(entries: list[CheckpointEntry]) -> int:
     return max((e.seq for e in entries), default=0) + 1
 
 
-def committed_by_earlier_attempt(entry: CheckpointEntry, job: tuple[str, int]) -> bool:
-    """``entry`` was committed by the job ``job`` names (its id), in an attempt before ``job``'s."""
-    return entry.job is not None and entry.job[0] == job[0] and entry.job[1] < job[1]
-
-
-def newest_complete(root: Path, checksums: bool = True, job: tuple[str, int] | None = None) -> Path | None:
-    """The newest checkpoint under ``root`` that passes :func:`verify` (with ``job``: of those an earlier attempt of
-    that job committed); warns about each one skipped."""
+def newest_complete(root: Path, checksums: bool = True, began: tuple[str, str] | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` that passes :func:`verify` (with ``began``: of those whose manifest says
+    they were committed by that job in a fit begun from that ``ckpt_path``); warns about each one skipped."""
     seen: dict[tuple[str, Any], str | None] = {}
     for entry in reversed(committed(root)):
-        if job is not None and not committed_by_earlier_attempt(entry, job):
+        if began is not None and entry.began != began:
             continue
         problem = verify(entry.path, checksums, seen)
         if problem is None:
@@ -245,8 +239,6 @@ def commit_checkpoint(tmp: Path, final: Path, meta: dict[str, Any], step: int,
     torch.save(meta, tmp / META_FILE)
     seq = next_seq(committed(final.parent))
     fields: dict[str, Any] = {"global_step": step, "time": time.time(), "seq": seq, **(extra or {})}
-    if (job := job_attempt()) is not None:  # a later start of this job resumes from its own (AsyncCheckpoint)
-        fields["job"] = list(job)
     return commit_directory(tmp, final, FORMAT, fields, known=known)
 
 

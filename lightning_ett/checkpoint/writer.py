@@ -166,6 +166,8 @@ class CheckpointWriter:
         self._retention_lock = threading.Lock()
         self._chain: list[dict[str, Any]] = []  # rank 0: the last committed checkpoint's chain, itself last
         self._since_full = delta.RowsSinceFull()  # every rank: its rows changed since the chain's full save
+        #: more fields for every manifest rank 0 commits (AsyncCheckpoint's ``began``: the job and the fit's ckpt_path)
+        self.manifest_fields: dict[str, Any] = {}
 
     def status(self) -> tuple[bool, BaseException | None]:
         """(a save is in flight, the error of the last save if it failed) — from one look at it."""
@@ -412,10 +414,10 @@ class CheckpointWriter:
         """
         is_delta = delta_fields is not None
         assert not is_delta or self._chain, "a delta needs a committed checkpoint to build on"
-        extra = None
+        extra = dict(self.manifest_fields) or None
         builds_on = self._chain[:1] if delta_fields is not None and delta_fields.get("rebase") else self._chain
         if delta_fields is not None:
-            extra = {"kind": "delta", "chain": builds_on, "tracked": delta_fields["tracked"],
+            extra = {**(extra or {}), "kind": "delta", "chain": builds_on, "tracked": delta_fields["tracked"],
                      "rebase": bool(delta_fields.get("rebase"))}
             checksums = {**checksums, **delta.write_index(delta_fields["index"], tmp)}
         # The same step from an abandoned line is replaced: moved aside until the new one is in place.

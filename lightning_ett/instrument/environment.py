@@ -84,19 +84,13 @@ def process_start_time() -> float:
         return import_time()
 
 
-def job_attempt() -> tuple[str, int] | None:
-    """``lightning run``'s job id and this worker's attempt number; ``None`` outside ``lightning run``.
-
-    What a checkpoint's manifest records of the job and attempt that committed it, so a later
-    start of the job (a restart, or a relaunch into its run dir) finds the job's own checkpoints.
-    Both are the same on every node (the job id is given to, or read from the run dir by, every
-    node's launcher; attempts are numbered alike on every node), so no clock, restart counter or
-    per-node value is compared, and whichever node rank 0 lands on reads them alike.
-    """
-    job, attempt = os.environ.get(ENV_JOB_ID, ""), os.environ.get(ENV_ATTEMPT, "")
-    if ENV_LAUNCHER not in os.environ or not job or not attempt.isdigit():
-        return None
-    return job, int(attempt)
+def launched_job() -> str | None:
+    """``lightning run``'s job: its id and run directory (``"<id> in <dir>"``), the same on every node and across
+    relaunches into the run dir; ``None`` outside ``lightning run``. What a checkpoint's manifest records of the job
+    that committed it, so a later start of the job finds the job's own checkpoints: no clock, restart counter or
+    per-node value is compared. (The id alone defaults to the run dir's name, which two jobs may share.)"""
+    job, run_dir = os.environ.get(ENV_JOB_ID, ""), os.environ.get(ENV_RUN_DIR, "")
+    return f"{job} in {run_dir}" if ENV_LAUNCHER in os.environ and job and run_dir else None
 
 
 def env_rank() -> int:
