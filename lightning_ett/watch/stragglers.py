@@ -18,9 +18,10 @@ taken to run at one rate: two clocks 10 ppm apart drift 5 x N steps x 10 ppm, 1.
 default threshold (10 % of a step, N = 25) whatever the step time.
 Then, per batch and point, a rank's lateness is its stamp minus the earliest rank's; per batch,
 the larger of its two; its score, the median over the window: the seconds per batch the others
-waited for it. It is named when that score passes the threshold *and* it was among the last ranks
-(within the threshold of the latest) in at least :data:`MIN_LAST_SHARE` of the window's batches:
-honest jitter makes every rank late by turns.
+waited for it. It is named when that score passes the threshold *and* it was behind the pack (later
+than the ranks' median by over half the threshold) in at least :data:`MIN_BEHIND_SHARE` of the
+window's batches: honest jitter makes every rank late by turns. With several such ranks (a slow
+node) the worst is named, and the streak goes on while the named rank is one of them.
 The first window has no earlier gather to measure from: it only sets the origin
 (with :data:`ORIGIN_GATHERS` gathers in a row, so the next window's offsets are a median already).
 
@@ -55,12 +56,12 @@ from lightning_ett.instrument.straggler_facts import WARN_AFTER_WINDOWS
 #: Measured on clean 2-rank runs on 2 cores (tests/distributed/test_stragglers.py, 2026-12-04): the highest
 #: window 1.3-1.6 ms, and once 2.1 ms in two windows in a row, a false warning under the former 2 ms floor.
 MIN_THRESHOLD_S = 0.003
-#: The share of a window's batches in which a rank must be among the last (within the threshold of the latest rank:
-#: the others waited for it) to be named. A median lateness over the threshold alone named healthy ranks under honest
-#: per-batch jitter (a new-user trial: both ranks' reads drawn from one 0-60 ms distribution, 300 steps; a warning in
-#: about half of such runs, simulated): each rank is then among the last by turns; a straggler, or every rank of a
-#: slow node (which "the last" alone would never name: they take turns), in nearly every batch.
-MIN_LAST_SHARE = 0.75
+#: The share of a window's batches in which a rank must be behind the pack (later than the ranks' median by over half
+#: the threshold) to be named. A median lateness over the threshold alone named healthy ranks under honest per-batch
+#: jitter (a new-user trial: both ranks' reads drawn from one 0-60 ms distribution, 300 steps; a warning in about half
+#: of such runs, simulated): every rank is then behind in about half the batches; a straggler, or each rank of a slow
+#: node, in nearly all. (Measured against the latest rank instead, a slow node's ranks took turns and none was named.)
+MIN_BEHIND_SHARE = 0.75
 #: Gathers whose leave times give each rank's clock offset (their median): one noisy exit cannot shift a window.
 OFFSET_GATHERS = 5
 #: Gathers in a row at the first window (which only sets the origin), so the first scored window's offsets
@@ -139,18 +140,19 @@ class WindowScores:
     step_s: float  # median step period of the earliest rank (nan with one batch)
     lateness: Any = None  # per rank and batch, max(ready, forward) lateness (ranks x batches; nan: a missing stamp)
 
-    def last_shares(self, tolerance: float) -> tuple[float, ...]:
-        """Per rank, the share of the batches (stamped by every rank) in which it was among the last: within
-        ``tolerance`` of the latest rank, the one the others waited for. Honest jitter spreads it over the ranks; a
-        straggler (or each rank of a slow node) holds it in nearly every batch. Empty without ``lateness``."""
+    def behind_shares(self, margin: float) -> tuple[float, ...]:
+        """Per rank, the share of the batches (stamped by every rank) in which it was more than ``margin`` later
+        than the ranks' median: behind the pack. Honest jitter puts every rank behind in about half the batches; a
+        straggler, or each rank of a slow node (fewer than half the ranks), in nearly all. Empty without
+        ``lateness``."""
         if self.lateness is None:
             return ()
         late = np.asarray(self.lateness)
         scored = late[:, ~np.isnan(late).any(axis=0)]
         if scored.shape[1] == 0:
             return tuple(0.0 for _ in range(late.shape[0]))
-        among_last = scored >= scored.max(axis=0) - tolerance
-        return tuple(float(share) for share in among_last.mean(axis=1))
+        behind = scored - np.median(scored, axis=0) > margin
+        return tuple(float(share) for share in behind.mean(axis=1))
 
     def side(self, rank: int) -> str:
         """``data`` when the rank is already late at ``ready``, else ``compute`` (late only after the forward)."""
@@ -226,7 +228,7 @@ class Verdict:
     step_s: float | None  # the step time the threshold was a fraction of
     streak: int  # consecutive windows (this one included) naming this straggler
     warn: bool  # the streak just reached WARN_AFTER_WINDOWS
-    last_shares: tuple[float, ...] = ()  # per rank: the share of batches it was among the last (within the threshold)
+    behind_shares: tuple[float, ...] = ()  # per rank: the share of batches it was behind the pack
 
     @property
     def score_s(self) -> float:
@@ -243,7 +245,7 @@ class Verdict:
             "score_s": round(self.score_s, 6),
             "side": self.side,
             "scores": [round(s, 5) for s in self.window.scores],
-            "last_share": [round(s, 3) for s in self.last_shares],
+            "behind_share": [round(s, 3) for s in self.behind_shares],
             "batches": self.window.batches,
             "threshold_s": round(self.threshold_s, 6),
             "step_s": round(self.step_s, 6) if self.step_s is not None and math.isfinite(self.step_s) else None,
@@ -268,19 +270,19 @@ class StragglerTracker:
         self.windows = 0
         self.named: Counter[int] = Counter()  # windows each rank was named in
         self.latest: Verdict | None = None
-        self._streak: tuple[int | None, int] = (None, 0)
+        self._streak: tuple[set[int], int] = (set(), 0)  # the last window's candidates, and the streak
 
     def observe(self, window: WindowScores, ideal_step_s: float | None = None) -> Verdict:
         """Judge one window. ``ideal_step_s`` (the job's ideal step) sets the threshold, else the window's step period."""
         step_s = ideal_step_s if ideal_step_s is not None and ideal_step_s > 0 else window.step_s
         limit = threshold_s(self.fraction, step_s, self.floor)
-        worst = max(range(len(window.scores)), key=window.scores.__getitem__)
-        shares = window.last_shares(tolerance=limit)
-        consistent = not shares or shares[worst] >= MIN_LAST_SHARE
-        straggler = worst if window.scores[worst] > limit and consistent else None
-        previous, streak = self._streak
-        streak = streak + 1 if straggler is not None and straggler == previous else (1 if straggler is not None else 0)
-        self._streak = (straggler, streak)
+        shares = window.behind_shares(margin=limit / 2)
+        candidates = {rank for rank, score in enumerate(window.scores)
+                      if score > limit and (not shares or shares[rank] >= MIN_BEHIND_SHARE)}
+        straggler = max(candidates, key=window.scores.__getitem__) if candidates else None
+        previous, streak = self._streak  # (the ranks of a slow node take turns being the worst: one streak)
+        streak = streak + 1 if straggler is not None and straggler in previous else (1 if straggler is not None else 0)
+        self._streak = (candidates, streak)
         self.windows += 1
         if straggler is not None:
             self.named[straggler] += 1

@@ -113,27 +113,34 @@ def test_without_forward_stamps_the_data_side_still_shows():
 @pytest.mark.parametrize("world", [2, 8])
 def test_honest_jitter_on_every_rank_names_no_one_and_a_jittery_straggler_still_is_named(world):
     """A new-user trial: both ranks' reads drawn from one 0-60 ms distribution, 300 steps; the median lateness alone
-    crossed the threshold and warned in about half of such runs. Each rank is the last by turns there."""
+    crossed the threshold and warned in about half of such runs. Each rank is behind the pack by turns there."""
     named = windows = 0
-    for seed in range(20):
+    for seed in range(10):
         tracker = StragglerTracker(0.1)
-        verdicts = [tracker.observe(w) for w in simulate(world, windows=12, data_jitter=0.06, seed=seed)[1:]]
-        assert not any(v.warn for v in verdicts), seed  # never two windows in a row (measured: 0 of 40 seeds)
+        verdicts = [tracker.observe(w) for w in simulate(world, windows=30, data_jitter=0.06, seed=seed)[1:]]
+        assert not any(v.warn for v in verdicts), seed  # never two windows in a row
         named, windows = named + sum(v.straggler is not None for v in verdicts), windows + len(verdicts)
-    assert named <= 0.15 * windows  # a single window now and then (measured: 30 of 440 with 2 ranks, 0 with 8)
+    assert named <= 0.02 * windows  # (simulated: 0 of 1196 windows with 2 ranks, 3 of 396 with 8)
     tracker = StragglerTracker(0.1)
     verdicts = [tracker.observe(w) for w in simulate(world, windows=4, data={1: 0.05}, data_jitter=0.02)[1:]]
     assert [v.straggler for v in verdicts] == [1, 1, 1] and verdicts[1].warn
-    assert all(v.last_shares[1] >= 0.9 for v in verdicts)
+    assert all(v.behind_shares[1] >= 0.9 for v in verdicts)
 
 
-def test_two_ranks_slow_together_a_slow_node_are_still_named():
-    """Each is the latest by turns, but both are among the last (within the threshold) in nearly every batch."""
-    for world, slow in [(4, (2, 3)), (16, tuple(range(8, 16)))]:
-        verdicts = [StragglerTracker(0.1).observe(w) for w in
-                    simulate(world, windows=4, data=dict.fromkeys(slow, 0.05), data_jitter=0.004)[1:]]
-        assert all(v.straggler in slow for v in verdicts), [v.straggler for v in verdicts]
-        assert all(min(v.last_shares[r] for r in slow) >= 0.9 for v in verdicts)
+@pytest.mark.parametrize(("world", "slow", "delay", "jitter"), [
+    (4, (2, 3), 0.05, 0.004),
+    (16, tuple(range(8, 16)), 0.1, 0.06),  # a slow node of 8 ranks among 16, with heavy jitter
+    (8, (5, 6, 7), 0.05, 0.03),
+])
+def test_several_slow_ranks_a_slow_node_are_named_and_warned_about(world, slow, delay, jitter):
+    """Measured against the latest rank, the slow ranks took turns being last and none was named; against the pack
+    (the ranks' median) each is behind in nearly every batch, and the streak runs while the worst is one of them."""
+    tracker = StragglerTracker(0.1)
+    verdicts = [tracker.observe(w) for w in
+                simulate(world, windows=4, data=dict.fromkeys(slow, delay), data_jitter=jitter)[1:]]
+    assert all(v.straggler in slow for v in verdicts), [v.straggler for v in verdicts]
+    assert [v.streak for v in verdicts] == [1, 2, 3] and verdicts[1].warn
+    assert all(min(v.behind_shares[r] for r in slow) >= 0.75 for v in verdicts)
 
 
 def test_threshold_is_a_fraction_of_the_step_with_a_floor():
