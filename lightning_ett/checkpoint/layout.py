@@ -110,7 +110,7 @@ class CheckpointEntry:
     chain: tuple[str, ...] = ()  # an incremental checkpoint's: the names it needs to be restored
     rebase: bool = False  # a rebase: every row changed since its chain's full save
     chain_seqs: tuple[int, ...] = ()  # the commit number of each member of ``chain``
-    began: tuple[str, str] | None = None  # the job (its id) and the ckpt_path of the fit that committed it, if recorded
+    began: tuple[str, str] | None = None  # the job (id and run dir) and the ckpt_path of the fit that committed it
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
