@@ -61,6 +61,7 @@ from lightning_ett.strategies.plan_cache import (
 from lightning_ett.strategies.process_group import default_backend, init_process_group
 from lightning_ett.strategies.replica_sync import ReplicaSync
 from lightning_ett.strategies.sharders import (
+    EC_DATA_PARALLEL_FAILS,
     FUSED_OPTIMIZERS,
     apply_fused_optimizer,
     check_fused_optimizer,
@@ -441,9 +442,8 @@ class ETTStrategy(ParallelStrategy):
         tables = data_parallel_sequence_tables(self.plan, module) if self.plan is not None else []
         if tables:
             rank_zero_warn(f"ETTStrategy: EmbeddingCollection table(s) {', '.join(tables)} are sharded data_parallel; "
-                           "TorchRec 1.9.2 fails at the first forward (`split_with_sizes` in construct_jagged_tensors) "
-                           "when the features' id counts in a batch differ. Pass sharding_type='table_wise' or "
-                           "'row_wise' (or constraints for these tables) unless every feature has the same count.")
+                           f"{EC_DATA_PARALLEL_FAILS}. Pass sharding_type='table_wise' or 'row_wise' (or constraints "
+                           "for these tables) unless every feature has the same count.")
 
     def _replan_if_tables_changed(self, module: pl.LightningModule) -> None:
         """Tables built in ``setup()`` or by Lightning's ``configure_model`` call appear only after

@@ -12,12 +12,12 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner.utils import sharder_name
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
-from torchrec.modules.embedding_configs import data_type_to_dtype
+from torchrec.modules.embedding_configs import EmbeddingConfig, data_type_to_dtype
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from lightning_ett.durable.errors import ConfigurationError
-from lightning_ett.strategies.plan_cache import embedding_modules
+from lightning_ett.strategies.plan_cache import embedding_modules, tables_by_module
 
 FUSED_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "row_wise_adagrad": RowWiseAdagrad,
@@ -88,6 +88,11 @@ _NO_SHARDING_TYPE = re.compile(r"No available sharding type and compute kernel c
                                r"compute device: (?P<device>\w+)")
 
 
+#: The TorchRec limitation both the planner's error and the data_parallel warning name.
+EC_DATA_PARALLEL_FAILS = ("data_parallel for an EmbeddingCollection fails inside TorchRec 1.9.2 at the first forward "
+                          "(`split_with_sizes` in construct_jagged_tensors) when its features' id counts in a batch differ")
+
+
 def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.Module]],
                              constraints: dict[str, Any], user_constrained: set[str]) -> str | None:
     """What to do when TorchRec's planner found no sharding type for a table because its constraints ask only for types
@@ -114,8 +119,7 @@ def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.M
             and not sharder.grid:
         hints.append("grid_shard on CPU needs 2D sparse parallelism (sharding_group_size=K)")
     if module == "EmbeddingCollection" and ShardingType.DATA_PARALLEL.value in offered:
-        hints.append("data_parallel for an EmbeddingCollection fails inside TorchRec 1.9.2 when its features' id counts "
-                     "differ: see the README's Known limitations")
+        hints.append(f"{EC_DATA_PARALLEL_FAILS}: see the README's Known limitations")
     fix = (f"Give constraints[{table!r}] sharding_types" if table in user_constrained else  # they replace sharding_type
            f"Pass sharding_type= (or constraints={{{table!r}: ParameterConstraints(sharding_types=[...])}})")
     return (f"ETTStrategy: table {table!r} ({module}) is constrained to sharding type(s) {asked}, but {match['sharder']} "
@@ -124,19 +128,14 @@ def explain_no_sharding_type(error: Exception, sharders: list[ModuleSharder[nn.M
 
 
 def data_parallel_sequence_tables(plan: ShardingPlan, module: nn.Module) -> list[str]:
-    """Tables of an ``EmbeddingCollection`` planned ``data_parallel``: TorchRec 1.9.2 fails at their first forward when
-    the features' id counts in a batch differ (README, Known limitations); said before the first step, not after."""
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-
+    """Tables of an ``EmbeddingCollection`` planned ``data_parallel`` (:data:`EC_DATA_PARALLEL_FAILS`); said before
+    the first step, not after."""
     tables = []
-    for path, module_plan in plan.plan.items():
-        try:
-            owner = module.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(owner, EmbeddingCollection):
-            tables += [name for name, sharding in module_plan.items()  # type: ignore[union-attr]
-                       if sharding.sharding_type == ShardingType.DATA_PARALLEL.value]
+    for path, config in tables_by_module(module):
+        sharding = plan.plan.get(path, {}).get(config.name)  # type: ignore[union-attr]
+        if isinstance(config, EmbeddingConfig) and sharding is not None and (
+                sharding.sharding_type == ShardingType.DATA_PARALLEL.value):
+            tables.append(config.name)
     return sorted(tables)
 
 
