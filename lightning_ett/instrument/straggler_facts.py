@@ -51,8 +51,12 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _longest_streak(facts: list[dict[str, Any]], rank: int) -> int:
-    """Most consecutive windows naming ``rank``: counted from the facts' order, not their ``streak`` field, so
-    facts written before that field existed count the same."""
+    """The longest streak of the live warning's rule that reached a window naming ``rank``: the facts' ``streak``
+    field (a slow node's ranks take turns being named, and the rule counts them as one streak). Facts written
+    without it count consecutive windows naming ``rank`` itself, in order."""
+    mine = [f.get("streak") for f in facts if f.get("straggler") == rank]
+    if mine and all(isinstance(s, int) and not isinstance(s, bool) for s in mine):
+        return max(mine)
     longest = current = 0
     for fact in facts:
         current = current + 1 if fact.get("straggler") == rank else 0

@@ -135,6 +135,13 @@ def test_straggler_digest_and_report_line():
     assert straggler_line(digest).startswith("straggler: rank 1, others waited 50 ms/batch (data side); named in 2 of 3")
 
 
+def test_a_slow_nodes_ranks_named_by_turns_make_one_streak_in_the_report_as_in_the_live_warning():
+    turns = [{**_straggler_fact(25 * i, rank, [0.0, 0.05, 0.05]), "streak": i} for i, rank in [(1, 1), (2, 2), (3, 1)]]
+    digest = straggler_digest(turns)
+    assert digest["worst"]["rank"] == 1 and digest["worst"]["streak"] == 3  # the tracker's streak, as it warned
+    assert straggler_line(digest).startswith("straggler: rank 1, others waited 50 ms/batch")
+
+
 def test_the_summary_and_the_report_carry_step_health_and_stragglers():
     events = [_event("train", 10.0 + i, 11.0 + i, i) for i in range(20)]
     ledger = RankLedger(0, 0, header={"job_start": 0.0}, events=events,
