@@ -369,20 +369,17 @@ class AsyncCheckpoint(Checkpoint):
                     self._writer.manifest_fields = {"began": [job, str(checkpoint_path)]} if job and checkpoint_path else {}
                 if not checkpoint_path:
                     checkpoint_path = self._select_resume_checkpoint(trainer)
-                else:
-                    checkpoint_path = self._progress_of_this_job(trainer, checkpoint_path) or checkpoint_path
+                elif job is not None:  # (torchrun, or no launcher: ckpt_path as given, the same on every rank)
+                    checkpoint_path = self._progress_of_this_job(trainer, checkpoint_path, job) or checkpoint_path
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
 
-    def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any) -> str | None:
-        """Under ``lightning run``: the newest complete checkpoint this job committed in a fit begun from the same
-        ``ckpt_path``, if any (a restart, a relaunch into the job's run dir). Another ``ckpt_path`` (a roll-back, the
-        next stage of a multi-stage script) or another job finds none. Rank 0 decides and every rank takes its
-        answer: no rank decides alone, so none waits for a broadcast alone."""
-        job = launched_job()
-        if job is None:  # torchrun, or no launcher: ckpt_path as given (the same on every rank)
-            return None
+    def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any, job: str) -> str | None:
+        """Under ``lightning run`` (``job``: :func:`launched_job`): the newest complete checkpoint this job committed in
+        a fit begun from the same ``ckpt_path``, if any (a restart, a relaunch into the job's run dir). Another
+        ``ckpt_path`` (a roll-back, the next stage of a multi-stage script) or another job finds none. Rank 0 decides
+        and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
         path = self._select_resume_checkpoint(trainer, began=(job, str(ckpt_path)))
         if path is not None:
             rank_zero_warn(f"AsyncCheckpoint: this job began from fit(ckpt_path={str(ckpt_path)!r}) and has trained "
@@ -395,15 +392,13 @@ class AsyncCheckpoint(Checkpoint):
         """Rank 0 verifies, every rank gets its answer (or its error).
 
         ``began``: only a checkpoint whose manifest says it was committed by that job in a fit begun
-        from that ``ckpt_path`` (nothing is verified when none was).
+        from that ``ckpt_path`` (the others are not verified).
         """
         answer: tuple[str | None, str | None] = (None, None)
         if trainer.is_global_zero:
             start = time.time()
             try:
-                found = None
-                if began is None or any(e.began == began for e in fmt.committed(self.dirpath)):
-                    found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began)
+                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load
