@@ -79,21 +79,20 @@ def _is_kjt(obj: Any) -> bool:
 
 
 def mark_compiled_inputs(root: nn.Module, patches: Patches, batch_size: Callable[[], int | None],
-                         batch_dim: int = 0, seen: set[int] | None = None) -> int:
-    """Mark the batch dimension of what each compiled submodule of ``root`` is called with; returns how many
-    modules were newly wrapped (``seen``: ids already wrapped).
+                         batch_dim: int, seen: set[int]) -> None:
+    """Mark the batch dimension of what each compiled submodule of ``root`` is called with (``seen``: the ids of
+    modules already wrapped; updated).
 
     Why: a mark on the batch does not carry through eager code. A compiled MLP fed
     ``torch.cat([dense, embeddings])`` gets a new tensor, specializes on the batch size and
     recompiles at a smaller last batch. So the call of each compiled module (``module.compile()``:
     its ``_compiled_call_impl``; ``torch.compile(module)``: an ``OptimizedModule``, through a
     forward pre-hook, which runs outside the compiled code) marks ``batch_dim`` of its tensor
-    arguments that have the current batch's size (``batch_size()``; nothing while it is ``None``).
+    arguments that have the current batch's size (``batch_size()``; nothing while it is ``None``). A
+    LightningModule given to ``fit`` as ``torch.compile(model)`` has neither: its compiled steps take
+    the batch, marked already.
     """
     from torch._dynamo.eval_frame import OptimizedModule
-
-    seen = set() if seen is None else seen
-    wrapped = 0
 
     def mark(args: Any, kwargs: Any) -> None:
         size = batch_size()
@@ -101,21 +100,19 @@ def mark_compiled_inputs(root: nn.Module, patches: Patches, batch_size: Callable
             mark_batch_dynamic((args, kwargs), batch_dim, size=size)
 
     for module in compiled_submodules(root):
-        if id(module) in seen or getattr(module, "_compiler_ctx", None) is not None:  # (fit(torch.compile(model)):
-            continue  # Lightning compiles the LightningModule's steps, whose arguments are the batch, marked already)
+        compiled_call = module.__dict__.get("_compiled_call_impl")
+        if id(module) in seen:
+            continue
         if isinstance(module, OptimizedModule):
             handle = module.register_forward_pre_hook(lambda _m, args, kwargs: mark(args, kwargs), with_kwargs=True)
             patches.call_on_undo(handle.remove)
-        else:
-            def marked_call(*args: Any, _compiled: Callable[..., Any] = module.__dict__["_compiled_call_impl"],
-                            **kwargs: Any) -> Any:
+        elif compiled_call is not None:
+            def marked_call(*args: Any, _compiled: Callable[..., Any] = compiled_call, **kwargs: Any) -> Any:
                 mark(args, kwargs)
                 return _compiled(*args, **kwargs)
 
             patches.setattr(module, "_compiled_call_impl", marked_call)
         seen.add(id(module))
-        wrapped += 1
-    return wrapped
 
 
 def compiled_submodules(root: nn.Module) -> list[nn.Module]:
