@@ -116,6 +116,12 @@ def test_failure_reasons_name_the_signal_or_the_last_exception(tmp_path):
                                            "checkpoint write failed: No space left on device (ENOSPC) at '/ckpt/step-4.tmp'")
     log.write_bytes(b"x" * 200_000 + b"\nKeyboardInterrupt\n")  # only the tail of a long log is read
     assert failure_reason(130, str(log)) == "exit code 130: KeyboardInterrupt"
+    log.write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: argument --lr: invalid float value: 'x'\n")
+    assert failure_reason(2, str(log)) == "exit code 2: train.py: error: argument --lr: invalid float value: 'x'"
+    # Only a log that ends with a parser's error, exiting as a parser does (2, or 78 from a preloaded worker)
+    log.write_text("fetch.sh: error: mirror 2 timed out, using mirror 1\ncheckpoint dir is read-only: giving up\n")
+    assert failure_reason(1, str(log)) == "exit code 1: checkpoint dir is read-only: giving up"
+    assert failure_reason(2, str(log)) == "exit code 2: checkpoint dir is read-only: giving up"
 
 
 BAD_CLI_CONFIG = """
@@ -126,17 +132,15 @@ LightningCLI(BoringModel, args=["fit", "--config", sys.argv[1]])
 """
 
 
-@pytest.mark.parametrize(("init_args", "named"), [
-    ({"every_n_train_steps": "autoo"}, 'Parser key "every_n_train_steps": Given value: autoo'),
-    ({"every_n_train_step": 10}, "Option 'every_n_train_step' is not accepted"),
-    ("Checkpointt", "module 'lightning_ett' has no attribute 'AsyncCheckpointt'"),  # a class path's typo
+@pytest.mark.parametrize(("name", "init_args", "named"), [
+    ("AsyncCheckpoint", {"every_n_train_steps": "autoo"}, 'Parser key "every_n_train_steps": Given value: autoo'),
+    ("AsyncCheckpoint", {"every_n_train_step": 10}, "Option 'every_n_train_step' is not accepted"),
+    ("AsyncCheckpointt", {}, "module 'lightning_ett' has no attribute 'AsyncCheckpointt'"),  # a class path's typo
 ])
-def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_list_it_was_in(tmp_path, init_args,
+def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_list_it_was_in(tmp_path, name, init_args,
                                                                                             named):
     """jsonargparse ends its error with the whole callbacks list it was given; the reason must name the fault."""
     config = tmp_path / "config.yaml"
-    name = "AsyncCheckpointt" if init_args == "Checkpointt" else "AsyncCheckpoint"
-    init_args = {} if init_args == "Checkpointt" else init_args
     callbacks = [{"class_path": "lightning_ett.ETTMonitor"},
                  {"class_path": f"lightning_ett.{name}", "init_args": {"dirpath": str(tmp_path), **init_args}}]
     config.write_text(json.dumps({"trainer": {"callbacks": callbacks}}))
@@ -148,12 +152,6 @@ def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_li
     assert reason.startswith(f"exit code {proc.returncode}: error: Parser key \"trainer.callbacks\": Problem with given "
                              f"class_path 'lightning_ett.{name}': "), reason
     assert reason.endswith(named) and "Namespace(" not in reason, reason
-    log.write_text("usage: train.py [-h] [--lr LR]\ntrain.py: error: argument --lr: invalid float value: 'x'\n")
-    assert failure_reason(2, str(log)) == "exit code 2: train.py: error: argument --lr: invalid float value: 'x'"
-    # Only a log that ends with a parser's error, exiting as a parser does (2, or 78 from a preloaded worker)
-    log.write_text("fetch.sh: error: mirror 2 timed out, using mirror 1\ncheckpoint dir is read-only: giving up\n")
-    assert failure_reason(1, str(log)) == "exit code 1: checkpoint dir is read-only: giving up"
-    assert failure_reason(2, str(log)) == "exit code 2: checkpoint dir is read-only: giving up"
 
 
 def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):
