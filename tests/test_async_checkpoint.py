@@ -123,6 +123,8 @@ def test_only_a_fit_of_the_same_job_begun_from_the_same_ckpt_path_is_continued(t
     assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin)) == entries[-1].path  # its later start
     assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin)) is None  # another job
     assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path))) is None  # a roll-back
+    writer = entries[-1].process  # a second fit with the same ckpt_path in the same process is not a restart
+    assert writer and fmt.newest_complete(tmp_path / "ckpt", began=(job, origin), not_by=writer) is None
 
 
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):

@@ -44,7 +44,13 @@ from lightning_ett.durable.errors import (
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
-from lightning_ett.instrument.environment import ENV_ATTEMPT, ENV_JOB_START, ENV_RUN_DIR, launched_job
+from lightning_ett.instrument.environment import (
+    ENV_ATTEMPT,
+    ENV_JOB_START,
+    ENV_RUN_DIR,
+    launched_job,
+    process_start_time,
+)
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
@@ -61,6 +67,12 @@ class CheckpointListener(Protocol):
 
     def on_checkpoint_durable(self, trainer: pl.Trainer, path: Path, step: int) -> None:
         """Global rank 0, on the training thread, once the checkpoint of ``step`` is committed at ``path``."""
+
+
+def _this_process() -> str:
+    """This process, as a manifest names the writer of a checkpoint: pid and start time, read when called (a worker
+    forked from the preloaded server shares every value computed at import)."""
+    return f"{os.getpid()}@{process_start_time():.3f}"
 
 
 class AsyncCheckpoint(Checkpoint):
@@ -230,6 +242,7 @@ class AsyncCheckpoint(Checkpoint):
         self.save_on_train_end = save_on_train_end
         self.when_busy: WhenBusy = when_busy
         self.resume = resume
+        self._manifest_fields: dict[str, Any] = {}  # what this fit's checkpoints say it began from (`began`)
         self.verify_checksums = verify_checksums
         self.overlap_staging = overlap_staging
         self.incremental = incremental
@@ -298,6 +311,7 @@ class AsyncCheckpoint(Checkpoint):
         self._group = group
         self._writer = CheckpointWriter(self.dirpath, trainer.global_rank, collective, group, self.keep_last_n,
                                         device=trainer.strategy.root_device)
+        self._writer.manifest_fields = self._manifest_fields  # (a second fit on this Trainer goes on the first's line)
         self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
         self._since_full_bytes = 0
         self._final_step, self._first_step, self._skipped_this_fit = None, None, 0
@@ -365,8 +379,12 @@ class AsyncCheckpoint(Checkpoint):
         def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
             if trainer.state.fn == "fit" and trainer.global_step == 0:
                 job = launched_job()
-                if self._writer is not None:  # what every checkpoint of this fit says it began from
-                    self._writer.manifest_fields = {"began": [job, str(checkpoint_path)]} if job and checkpoint_path else {}
+                # What every checkpoint of this fit says it began from, and which process wrote it (a second fit in
+                # this process with the same ckpt_path begins from it again: only a restart continues).
+                self._manifest_fields = ({"began": [job, str(checkpoint_path)], "process": _this_process()}
+                                         if job and checkpoint_path else {})
+                if self._writer is not None:
+                    self._writer.manifest_fields = self._manifest_fields
                 if not checkpoint_path:
                     checkpoint_path = self._select_resume_checkpoint(trainer)
                 elif job is not None:  # (torchrun, or no launcher: ckpt_path as given, the same on every rank)
@@ -398,7 +416,8 @@ class AsyncCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             start = time.time()
             try:
-                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began)
+                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began,
+                                            not_by=_this_process() if began is not None else None)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load

@@ -24,7 +24,7 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
 
     ``latest``: the last window's per-rank scores and verdict. ``named``: windows each rank was named
     in. ``worst``: the rank named most often, with the median of its scores when named, its side, and
-    ``streak``: the most consecutive windows it was named in (what the warning and the report go by).
+    ``streak``: the longest streak of the live warning's rule (what the warning and the report go by).
     """
     facts = [f for f in facts if _valid(f)]  # a hand-edited or foreign fact is left out, never a crash
     if not facts:
@@ -51,12 +51,12 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _longest_streak(facts: list[dict[str, Any]], rank: int) -> int:
-    """The longest streak of the live warning's rule that reached a window naming ``rank``: the facts' ``streak``
-    field (a slow node's ranks take turns being named, and the rule counts them as one streak). Facts written
-    without it count consecutive windows naming ``rank`` itself, in order."""
-    mine = [f.get("streak") for f in facts if f.get("straggler") == rank]
-    if mine and all(isinstance(s, int) and not isinstance(s, bool) for s in mine):
-        return max(mine)
+    """The longest streak of the live warning's rule: the facts' ``streak`` field, whichever rank it ended on (a slow
+    node's ranks take turns being named, and the rule counts them as one streak), so the report has its line
+    whenever the warning fired. Facts written without it count consecutive windows naming ``rank``, in order."""
+    streaks = [f.get("streak") for f in facts if f.get("straggler") is not None]
+    if streaks and all(isinstance(s, int) and not isinstance(s, bool) for s in streaks):
+        return max(streaks)
     longest = current = 0
     for fact in facts:
         current = current + 1 if fact.get("straggler") == rank else 0

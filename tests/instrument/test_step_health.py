@@ -140,6 +140,12 @@ def test_a_slow_nodes_ranks_named_by_turns_make_one_streak_in_the_report_as_in_t
     digest = straggler_digest(turns)
     assert digest["worst"]["rank"] == 1 and digest["worst"]["streak"] == 3  # the tracker's streak, as it warned
     assert straggler_line(digest).startswith("straggler: rank 1, others waited 50 ms/batch")
+    peaked_elsewhere = [{**_straggler_fact(25, 1, [0.0, 0.05, 0.0]), "streak": 1},
+                        {**_straggler_fact(50, 2, [0.0, 0.0, 0.05]), "streak": 2},  # the warning fired here
+                        _straggler_fact(75, None, [0.0, 0.0, 0.0]) | {"streak": 0},
+                        {**_straggler_fact(100, 1, [0.0, 0.05, 0.0]), "streak": 1}]
+    digest = straggler_digest(peaked_elsewhere)
+    assert digest["worst"]["rank"] == 1 and digest["worst"]["streak"] == 2 and straggler_line(digest) is not None
 
 
 def test_the_summary_and_the_report_carry_step_health_and_stragglers():
