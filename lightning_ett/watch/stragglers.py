@@ -21,7 +21,7 @@ the larger of its two; its score, the median over the window: the seconds per ba
 waited for it. It is named when that score passes the threshold *and* it was behind the pack (later
 than the ranks' median by over half the threshold) in at least :data:`MIN_BEHIND_SHARE` of the
 window's batches: honest jitter makes every rank late by turns. With several such ranks (a slow
-node) the worst is named, and the streak goes on while the named rank is one of them.
+node) the worst is named, and the streak goes on while any of them was one the window before.
 The first window has no earlier gather to measure from: it only sets the origin
 (with :data:`ORIGIN_GATHERS` gathers in a row, so the next window's offsets are a median already).
 
@@ -280,8 +280,9 @@ class StragglerTracker:
         candidates = {rank for rank, score in enumerate(window.scores)
                       if score > limit and (not shares or shares[rank] >= MIN_BEHIND_SHARE)}
         straggler = max(candidates, key=window.scores.__getitem__) if candidates else None
-        previous, streak = self._streak  # (the ranks of a slow node take turns being the worst: one streak)
-        streak = streak + 1 if straggler is not None and straggler in previous else (1 if straggler is not None else 0)
+        previous, streak = self._streak  # (the ranks of a slow node take turns being the worst: one streak, and a
+        # straggler that goes on while a worse one appears beside it goes on too)
+        streak = streak + 1 if candidates & previous else (1 if straggler is not None else 0)
         self._streak = (candidates, streak)
         self.windows += 1
         if straggler is not None:

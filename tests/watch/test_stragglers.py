@@ -143,6 +143,12 @@ def test_several_slow_ranks_a_slow_node_are_named_and_warned_about(world, slow, 
     assert all(min(v.behind_shares[r] for r in slow) >= 0.75 for v in verdicts)
 
 
+def test_a_straggler_that_goes_on_while_a_worse_one_appears_keeps_its_streak():
+    tracker = StragglerTracker(fraction=0.1)
+    verdicts = [tracker.observe(_window(*s)) for s in [(0.0, 0.05, 0.0), (0.0, 0.05, 0.08)]]
+    assert [v.straggler for v in verdicts] == [1, 2] and [v.streak for v in verdicts] == [1, 2] and verdicts[1].warn
+
+
 def test_threshold_is_a_fraction_of_the_step_with_a_floor():
     assert threshold_s(0.1, 0.05) == pytest.approx(0.005)
     assert threshold_s(0.1, 0.004) == MIN_THRESHOLD_S  # 0.4 ms would be the collectives' own noise
