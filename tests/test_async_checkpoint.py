@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import os
 import subprocess
 import sys
 import time
@@ -117,14 +118,25 @@ def test_only_a_fit_of_the_same_job_begun_from_the_same_ckpt_path_is_continued(t
                 env.ENV_RUN_DIR: str(tmp_path / "a" / "ett")}
     job = f"job-a in {tmp_path / 'a' / 'ett'}"
     assert run_script(JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "12",
-                      "--every", "4", "--ckpt-path", origin, **launched).returncode == 0
+                      "--every", "4", "--ckpt-path", origin + "/", **launched).returncode == 0  # (a DCP directory)
     entries = fmt.committed(tmp_path / "ckpt")
+    origin = os.path.realpath(origin)  # recorded resolved: `a/b/`, `./a/b` and `a/b` are one checkpoint to begin from
     assert [e.began for e in entries] == [(job, origin)] * 2  # steps 8 and 12
     assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin)) == entries[-1].path  # its later start
     assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin)) is None  # another job
     assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path))) is None  # a roll-back
     writer = entries[-1].process  # a second fit with the same ckpt_path in the same process is not a restart
     assert writer and fmt.newest_complete(tmp_path / "ckpt", began=(job, origin), not_by=writer) is None
+
+
+def test_the_ckpt_path_a_fit_began_from_is_recorded_in_one_spelling(tmp_path, monkeypatch):
+    from lightning_ett.callbacks.checkpoint import _as_begun_from
+
+    monkeypatch.chdir(tmp_path)
+    spellings = {_as_begun_from(p) for p in ("ckpt/step-4", "ckpt/step-4/", "./ckpt//step-4", tmp_path / "ckpt" / "step-4")}
+    assert spellings == {os.path.realpath(tmp_path / "ckpt" / "step-4")}
+    assert _as_begun_from("s3://bucket/ckpt/step-4/") == "s3://bucket/ckpt/step-4"
+    assert [_as_begun_from(k) for k in ("last", "best", "hpc")] == ["last", "best", "hpc"]  # Lightning resolves these
 
 
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):

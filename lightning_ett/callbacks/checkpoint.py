@@ -69,6 +69,18 @@ class CheckpointListener(Protocol):
         """Global rank 0, on the training thread, once the checkpoint of ``step`` is committed at ``path``."""
 
 
+def _as_begun_from(ckpt_path: Any) -> str:
+    """``fit``'s ``ckpt_path`` as a manifest's ``began`` records it: a local path resolved, so ``a/b``, ``a/b/`` and
+    ``./a/b`` are one checkpoint to begin from; a URL without its trailing slash; Lightning's ``"last"``, ``"best"``,
+    ``"hpc"`` and ``"registry..."`` as given (they name no path until Lightning resolves them)."""
+    text = str(ckpt_path)
+    if "://" in text:
+        return text.rstrip("/")
+    if text in ("last", "best", "hpc") or text.startswith("registry"):
+        return text
+    return os.path.realpath(os.path.expanduser(text))
+
+
 def _this_process() -> str:
     """This process, as a manifest names the writer of a checkpoint: pid and start time, read when called (a worker
     forked from the preloaded server shares every value computed at import)."""
@@ -381,7 +393,7 @@ class AsyncCheckpoint(Checkpoint):
                 job = launched_job()
                 # What every checkpoint of this fit says it began from, and which process wrote it (a second fit in
                 # this process with the same ckpt_path begins from it again: only a restart continues).
-                self._manifest_fields = ({"began": [job, str(checkpoint_path)], "process": _this_process()}
+                self._manifest_fields = ({"began": [job, _as_begun_from(checkpoint_path)], "process": _this_process()}
                                          if job and checkpoint_path else {})
                 if self._writer is not None:
                     self._writer.manifest_fields = self._manifest_fields
@@ -398,7 +410,7 @@ class AsyncCheckpoint(Checkpoint):
         a fit begun from the same ``ckpt_path``, if any (a restart, a relaunch into the job's run dir). Another
         ``ckpt_path`` (a roll-back, the next stage of a multi-stage script) or another job finds none. Rank 0 decides
         and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
-        path = self._select_resume_checkpoint(trainer, began=(job, str(ckpt_path)))
+        path = self._select_resume_checkpoint(trainer, began=(job, _as_begun_from(ckpt_path)))
         if path is not None:
             rank_zero_warn(f"AsyncCheckpoint: this job began from fit(ckpt_path={str(ckpt_path)!r}) and has trained "
                            f"since: it resumes from {path}, the newest checkpoint it committed from there (going back "
