@@ -121,12 +121,65 @@ def test_only_a_fit_of_the_same_job_begun_from_the_same_ckpt_path_is_continued(t
                       "--every", "4", "--ckpt-path", origin + "/", **launched).returncode == 0  # (a DCP directory)
     entries = fmt.committed(tmp_path / "ckpt")
     origin = os.path.realpath(origin)  # recorded resolved: `a/b/`, `./a/b` and `a/b` are one checkpoint to begin from
-    assert [e.began for e in entries] == [(job, origin)] * 2  # steps 8 and 12
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin)) == entries[-1].path  # its later start
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin)) is None  # another job
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path))) is None  # a roll-back
-    writer = entries[-1].process  # a second fit with the same ckpt_path in the same process is not a restart
-    assert writer and fmt.newest_complete(tmp_path / "ckpt", began=(job, origin), not_by=writer) is None
+    assert [e.began for e in entries] == [(job, origin, "fit 0")] * 2  # steps 8 and 12
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin, "fit 0")) == entries[-1].path  # its later start
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin, "fit 0")) is None  # another job
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path), "fit 0")) is None  # a roll-back
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin, "fit 1")) is None  # the process's next fit
+
+
+def test_a_restarted_loop_of_fits_from_one_ckpt_path_continues_each_fit_from_its_own_checkpoints(tmp_path):
+    """A loop of fits (seeds, settings) from one pretrained checkpoint over one dirpath: after a crash in the second
+    fit, the script runs again; its first fit finds its own finished line (not the second fit's newer one) and its
+    second fit continues where it was killed (not from ckpt_path again), ending as a loop never killed does."""
+    from lightning_ett.instrument import environment as env
+
+    assert run_job(tmp_path, "--max-steps", "4", "--every", "4", ckpt="origin").returncode == 0
+    origin = str(tmp_path / "origin" / "step-000000004")
+
+    def loop(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+        launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: name, env.ENV_ATTEMPT: "0",
+                    env.ENV_RUN_DIR: str(tmp_path / name / "ett")}
+        return run_script(JOB, "--out", str(tmp_path / name), "--ckpt-dir", str(tmp_path / name / "ckpt"), "--fits", "2",
+                          "--max-steps", "12", "--every", "4", "--keep", "10", "--ckpt-path", origin, *args, **launched)
+
+    assert loop("whole").returncode == 0
+    assert loop("killed", "--kill-in-fit", "1", "--kill-at", "10", "--step-sleep", "0.1",
+                "--kill-when-durable").returncode == -9  # fit 1 saved step 8, not 12
+    again = loop("killed")
+    assert again.returncode == 0, again.stderr[-3000:]
+    first, second = (torch.load(tmp_path / "killed" / f"result-{i}.pt", weights_only=False) for i in (0, 1))
+    assert Path(first["resumed_from"]).name == "step-000000012"  # fit 0's end (fit 1 overwrote its step 8)
+    assert Path(second["resumed_from"]).name == "step-000000008"  # fit 1's own
+    for i, resumed in enumerate((first, second)):
+        whole = torch.load(tmp_path / "whole" / f"result-{i}.pt", weights_only=False)
+        for key, value in whole["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), (i, key)
+
+
+def test_a_relaunch_into_a_finished_jobs_run_dir_says_it_trains_nothing_more_and_how_to_train_again(tmp_path):
+    """A run dir is one job: a relaunch into it continues it, also when its fit had finished; then the warning says
+    that nothing is left to train and how to begin from ckpt_path again, instead of a silent run of 0 steps."""
+    from lightning_ett.instrument import environment as env
+
+    assert run_job(tmp_path, "--max-steps", "4", "--every", "4", ckpt="origin").returncode == 0
+    origin = str(tmp_path / "origin" / "step-000000004")
+    launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: "nightly", env.ENV_ATTEMPT: "0",
+                env.ENV_RUN_DIR: str(tmp_path / "a" / "ett")}
+    args = (JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--every", "4", "--ckpt-path", origin)
+    first = run_script(*args, "--max-steps", "12", **launched)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "reached max_steps" not in first.stderr and "has trained since" not in first.stderr
+    again = run_script(*args, "--max-steps", "12", **launched)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert str(result(tmp_path, "a")["resumed_from"]).endswith("step-000000012")
+    said = " ".join(again.stderr.split())
+    assert "already reached max_steps=12" in said and "trains nothing more" in said and "--job-id" in said
+    longer = run_script(*args, "--max-steps", "16", **launched)  # more steps: continues
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    said = " ".join(longer.stderr.split())
+    assert "has trained since" in said and "reached max_steps" not in said
+    assert str(result(tmp_path, "a")["resumed_from"]).endswith("step-000000012")
 
 
 def test_the_ckpt_path_a_fit_began_from_is_recorded_in_one_spelling(tmp_path, monkeypatch):

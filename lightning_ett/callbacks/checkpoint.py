@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -49,7 +50,6 @@ from lightning_ett.instrument.environment import (
     ENV_JOB_START,
     ENV_RUN_DIR,
     launched_job,
-    process_start_time,
 )
 from lightning_ett.instrument.ledger import failed_attempts
 from lightning_ett.instrument.timeline import CADENCE_FACT, CHECKPOINT_FACT, Phase, get_timeline, record_phase
@@ -81,10 +81,14 @@ def _as_begun_from(ckpt_path: Any) -> str:
     return os.path.realpath(os.path.expanduser(text))
 
 
-def _this_process() -> str:
-    """This process, as a manifest names the writer of a checkpoint: pid and start time, read when called (a worker
-    forked from the preloaded server shares every value computed at import)."""
-    return f"{os.getpid()}@{process_start_time():.3f}"
+_fits_begun_from_a_path = itertools.count()  # (per process: a worker forked from the preloaded server starts at 0)
+
+
+def _next_fit() -> str:
+    """Which fit begun from an explicit ``ckpt_path`` this is in this process (``"fit 0"``, ``"fit 1"``, ...): the
+    same fit of the same script after a restart, so a loop of fits over one ``dirpath`` (seeds, stages) continues each
+    fit's own line, and a second fit from the same ``ckpt_path`` in the same process begins from it again."""
+    return f"fit {next(_fits_begun_from_a_path)}"
 
 
 class AsyncCheckpoint(Checkpoint):
@@ -379,57 +383,63 @@ class AsyncCheckpoint(Checkpoint):
 
         Lightning passes ``ckpt_path`` to ``resume_start`` (on every rank, at the same point);
         the choice is made there. Only a fresh start (global step 0) resumes: a second ``fit``
-        on the same Trainer continues as is. An explicit ``ckpt_path`` is where a fit begins: a
-        later start of the same fit under ``lightning run`` (a restart, a relaunch into the job's
-        run dir) resumes from what the job committed in a fit begun from that ``ckpt_path``, if
-        anything (going back would re-run every step since, at every restart), and costs no
-        verification otherwise.
+        on the same Trainer without a ``ckpt_path`` continues as is. An explicit ``ckpt_path`` is
+        where a fit begins: a later start of the same fit under ``lightning run`` (a restart, a
+        relaunch into the job's run dir; the same fit: the Nth of the process begun from a
+        ``ckpt_path``) resumes from what the job committed in that fit, if anything (going back
+        would re-run every step since, at every restart), and costs no verification otherwise.
         """
         connector = trainer._checkpoint_connector
         original = connector.resume_start
 
         def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            if trainer.state.fn == "fit" and trainer.global_step == 0:
+            fresh = trainer.global_step == 0  # (a later fit on this Trainer without a ckpt_path goes on as is)
+            if trainer.state.fn == "fit" and (fresh or checkpoint_path):
                 job = launched_job()
-                # What every checkpoint of this fit says it began from, and which process wrote it (a second fit in
-                # this process with the same ckpt_path begins from it again: only a restart continues).
-                self._manifest_fields = ({"began": [job, _as_begun_from(checkpoint_path)], "process": _this_process()}
-                                         if job and checkpoint_path else {})
+                # What every checkpoint of this fit says it began from: the job, the ckpt_path and which fit of the
+                # process (a restart re-runs the script: its Nth fit continues the Nth fit's line).
+                began = [job, _as_begun_from(checkpoint_path), _next_fit()] if job and checkpoint_path else None
+                self._manifest_fields = {"began": began} if began else {}
                 if self._writer is not None:
                     self._writer.manifest_fields = self._manifest_fields
                 if not checkpoint_path:
                     checkpoint_path = self._select_resume_checkpoint(trainer)
-                elif job is not None:  # (torchrun, or no launcher: ckpt_path as given, the same on every rank)
-                    checkpoint_path = self._progress_of_this_job(trainer, checkpoint_path, job) or checkpoint_path
+                elif began is not None:  # (torchrun, or no launcher: ckpt_path as given, the same on every rank)
+                    checkpoint_path = self._progress_of_this_job(trainer, checkpoint_path, tuple(began)) or checkpoint_path
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
 
-    def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any, job: str) -> str | None:
-        """Under ``lightning run`` (``job``: :func:`launched_job`): the newest complete checkpoint this job committed in
-        a fit begun from the same ``ckpt_path``, if any (a restart, a relaunch into the job's run dir). Another
-        ``ckpt_path`` (a roll-back, the next stage of a multi-stage script) or another job finds none. Rank 0 decides
-        and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
-        path = self._select_resume_checkpoint(trainer, began=(job, _as_begun_from(ckpt_path)))
-        if path is not None:
+    def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any, began: tuple[str, ...]) -> str | None:
+        """Under ``lightning run``: the newest complete checkpoint this job committed in the same fit of the script
+        begun from the same ``ckpt_path`` (``began``), if any (a restart, a relaunch into the job's run dir). Another
+        ``ckpt_path`` (a roll-back, the next stage of a multi-stage script), another fit or another job finds none.
+        Rank 0 decides and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
+        path = self._select_resume_checkpoint(trainer, began=began)
+        step = fmt.step_of(path) if path is not None else None
+        if step is not None and 0 < trainer.max_steps <= step:
+            rank_zero_warn(f"AsyncCheckpoint: this job's fit begun from fit(ckpt_path={str(ckpt_path)!r}) already reached "
+                           f"max_steps={trainer.max_steps} ({path}): it resumes there and trains nothing more. A relaunch "
+                           "into a job's run dir continues that job; to train again from ckpt_path, start a new job "
+                           "(another --run-dir or --job-id), or pass AsyncCheckpoint(resume=False).")
+        elif path is not None:
             rank_zero_warn(f"AsyncCheckpoint: this job began from fit(ckpt_path={str(ckpt_path)!r}) and has trained "
                            f"since: it resumes from {path}, the newest checkpoint it committed from there (going back "
                            "would re-run every step since). To begin from ckpt_path again, pass another ckpt_path, "
                            "start a new job (another --run-dir or --job-id), or pass AsyncCheckpoint(resume=False).")
         return path
 
-    def _select_resume_checkpoint(self, trainer: pl.Trainer, began: tuple[str, str] | None = None) -> str | None:
+    def _select_resume_checkpoint(self, trainer: pl.Trainer, began: tuple[str, ...] | None = None) -> str | None:
         """Rank 0 verifies, every rank gets its answer (or its error).
 
-        ``began``: only a checkpoint whose manifest says it was committed by that job in a fit begun
+        ``began``: only a checkpoint whose manifest says it was committed by that job in that fit begun
         from that ``ckpt_path`` (the others are not verified).
         """
         answer: tuple[str | None, str | None] = (None, None)
         if trainer.is_global_zero:
             start = time.time()
             try:
-                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began,
-                                            not_by=_this_process() if began is not None else None)
+                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load

@@ -28,15 +28,16 @@ class Steps(IterableDataset):
 
 
 class Regression(LightningModule):
-    def __init__(self, width: int, step_sleep: float) -> None:
+    def __init__(self, width: int, step_sleep: float, data_seed: int = 0) -> None:
         super().__init__()
+        self.data_seed = data_seed  # another fit of a loop (--fits) sees other data
         self.net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
         self.step_sleep = step_sleep
         self.train_mse = torchmetrics.MeanSquaredError()
 
     def training_step(self, _batch, batch_idx):  # type: ignore[no-untyped-def]
         time.sleep(self.step_sleep)
-        g = torch.Generator().manual_seed(self.global_step)
+        g = torch.Generator().manual_seed(self.global_step + self.data_seed)
         x = torch.randn(32, 16, generator=g)
         prediction = self.net(x).squeeze(-1)
         self.train_mse.update(prediction.detach(), x.sum(-1))
@@ -49,13 +50,27 @@ class Regression(LightningModule):
 class Faults(Callback):
     """Kill the process with SIGKILL, or plant a file where the writer needs a directory."""
 
-    def __init__(self, kill_at: int | None, block_tmp_of: int | None, ckpt_dir: Path, sigterm_at: int | None = None) -> None:
+    def __init__(self, kill_at: int | None, block_tmp_of: int | None, ckpt_dir: Path, sigterm_at: int | None = None,
+                 after_durable: AsyncCheckpoint | None = None) -> None:
         self.kill_at, self.block_tmp_of, self.ckpt_dir, self.sigterm_at = kill_at, block_tmp_of, ckpt_dir, sigterm_at
+        self.snapshots: set[int] = set()
+        self.durable: set[int] = set()
+        if after_durable is not None:  # kill only once every save begun was reported durable (at a batch end)
+            after_durable.add_listener(self)
+
+    def on_checkpoint_snapshot(self, trainer, step):  # type: ignore[no-untyped-def]
+        self.snapshots.add(step)
+
+    def on_checkpoint_durable(self, trainer, path, step):  # type: ignore[no-untyped-def]
+        self.durable.add(step)
 
     def on_train_batch_start(self, trainer, *args):  # type: ignore[no-untyped-def]
         if self.block_tmp_of is not None and trainer.global_step == 1:
             (self.ckpt_dir / f"step-{self.block_tmp_of:09d}.tmp").write_text("not a directory")
         if self.kill_at is not None and trainer.global_step == self.kill_at:
+            deadline = time.time() + 60
+            while not self.snapshots <= self.durable and time.time() < deadline:
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
         if self.sigterm_at is not None and trainer.global_step == self.sigterm_at and trainer.global_rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
@@ -103,6 +118,9 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL this process at this step")
     p.add_argument("--block-tmp-of", type=int, default=None, help="make the save of this step fail (a file in the way)")
     p.add_argument("--ckpt-path", default=None)
+    p.add_argument("--fits", type=int, default=1, help="> 1: a loop of fits, each its own Trainer and data (OUT/result-N.pt)")
+    p.add_argument("--kill-in-fit", type=int, default=0, help="the fit of the loop --kill-at applies to")
+    p.add_argument("--kill-when-durable", action="store_true", help="--kill-at waits until every save begun is durable")
     p.add_argument("--sigterm-at", type=int, default=None, help="send SIGTERM to rank 0 at this step")
     p.add_argument("--publish-dir", default=None, help="add ModelPublisher(dirpath=...)")
     p.add_argument("--publish-metrics", default="", help="comma-separated ModelPublisher metrics")
@@ -117,9 +135,16 @@ def main() -> None:
     interval = {"every_n_minutes": args.every_minutes} if args.every_minutes else {"every_n_train_steps": args.every}
     if args.every == "auto":
         interval.update(mtbf_hours=args.mtbf_hours, max_interval_minutes=args.max_interval_minutes)
+    for fit in range(args.fits):
+        fit_once(args, out, ckpt_dir, interval, fit)
+
+
+def fit_once(args: argparse.Namespace, out: Path, ckpt_dir: Path, interval: dict, fit: int) -> None:
     checkpoint = AsyncCheckpoint(ckpt_dir, keep_last_n=args.keep, when_busy=args.when_busy, **interval)
+    kill_at = args.kill_at if fit == args.kill_in_fit else None
     callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False), checkpoint,
-                 Faults(args.kill_at, args.block_tmp_of, ckpt_dir, args.sigterm_at)]
+                 Faults(kill_at, args.block_tmp_of, ckpt_dir, args.sigterm_at,
+                        checkpoint if args.kill_when_durable else None)]
     if args.publish_dir:
         callbacks.append(ModelPublisher(args.publish_dir, keep_last_n=args.publish_keep, strict=args.publish_strict,
                                         metrics=[m for m in args.publish_metrics.split(",") if m]))
@@ -132,13 +157,13 @@ def main() -> None:
                       logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     torch.manual_seed(0)
-    model = Regression(args.width, args.step_sleep)
+    model = Regression(args.width, args.step_sleep, data_seed=1000 * fit)
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.ckpt_path)
     if trainer.global_rank != 0:
         return
     torch.save({"weights": {k: v.clone() for k, v in model.state_dict().items()}, "global_step": trainer.global_step,
                 "resumed_from": trainer.ckpt_path, "saves": checkpoint.saves, "skipped": checkpoint.skipped},
-               out / "result.pt")
+               out / ("result.pt" if args.fits == 1 else f"result-{fit}.pt"))
 
 
 if __name__ == "__main__":
