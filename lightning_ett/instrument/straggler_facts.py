@@ -23,8 +23,9 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``stragglers`` entry of ``ett_summary.json``; ``None`` when no window was scored.
 
     ``latest``: the last window's per-rank scores and verdict. ``named``: windows each rank was named
-    in. ``worst``: the rank named most often, with the median of its scores when named, its side, and
-    ``streak``: the longest streak of the live warning's rule (what the warning and the report go by).
+    in. ``worst``: the rank named most often (of those the warning named, if any), with the median of its scores when
+    named, its side, and ``streak``: the longest streak of the live warning's rule that named it (what the warning
+    and the report go by).
     """
     facts = [f for f in facts if _valid(f)]  # a hand-edited or foreign fact is left out, never a crash
     if not facts:
@@ -40,28 +41,46 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
         "worst": None,
     }
     if named:
-        rank, windows = named.most_common(1)[0]
+        streaks = _streaks_by_rank(facts)
+        warned = [r for r in named if streaks.get(r, 0) >= WARN_AFTER_WINDOWS]  # the warning's ranks come first
+        rank = max(warned or named, key=lambda r: (named[r], streaks.get(r, 0)))
+        windows = named[rank]
         mine = [f for f in facts if f.get("straggler") == rank]
         sides = Counter(f.get("side") for f in mine)
         score = statistics.median(float(f["score_s"]) for f in mine)
         digest["worst"] = {"rank": rank, "windows": windows, "score_s": round(score, 6), "side": sides.most_common(1)[0][0],
                            "first_step": mine[0].get("step"), "last_step": mine[-1].get("step"),
-                           "streak": _longest_streak(facts, rank)}
+                           "streak": streaks.get(rank, 0)}
     return digest
 
 
-def _longest_streak(facts: list[dict[str, Any]], rank: int) -> int:
-    """The longest streak of the live warning's rule: the facts' ``streak`` field, whichever rank it ended on (a slow
-    node's ranks take turns being named, and the rule counts them as one streak), so the report has its line
-    whenever the warning fired. Facts written without it count consecutive windows naming ``rank``, in order."""
-    streaks = [f.get("streak") for f in facts if f.get("straggler") is not None]
-    if streaks and all(isinstance(s, int) and not isinstance(s, bool) for s in streaks):
-        return max(streaks)
-    longest = current = 0
+def _streaks_by_rank(facts: list[dict[str, Any]]) -> dict[int, int]:
+    """Per named rank, the longest streak of the live warning's rule that named it: the facts' ``streak`` field over
+    a run of windows (a slow node's ranks take turns being named, and the rule counts them as one streak: each of them
+    gets the run's streak), so the report has its line whenever the warning fired, naming a rank the warning named.
+    Facts written without the field count consecutive windows naming the rank."""
+    best: dict[int, int] = {}
+    named = [f for f in facts if f.get("straggler") is not None]
+    if named and all(isinstance(f.get("streak"), int) and not isinstance(f.get("streak"), bool) for f in named):
+        run: set[int] = set()
+        for fact in facts:
+            rank, streak = fact.get("straggler"), fact.get("streak")
+            if rank is None or not isinstance(streak, int) or streak < 1:
+                run = set()
+                continue
+            if streak == 1:
+                run = set()
+            run.add(int(rank))
+            for member in run:
+                best[member] = max(best.get(member, 0), streak)
+        return best
+    current: dict[int, int] = {}
     for fact in facts:
-        current = current + 1 if fact.get("straggler") == rank else 0
-        longest = max(longest, current)
-    return longest
+        rank = fact.get("straggler")
+        current = {int(rank): current.get(int(rank), 0) + 1} if rank is not None else {}
+        for member, streak in current.items():
+            best[member] = max(best.get(member, 0), streak)
+    return best
 
 
 def _valid(fact: dict[str, Any]) -> bool:

@@ -148,6 +148,24 @@ def test_a_slow_nodes_ranks_named_by_turns_make_one_streak_in_the_report_as_in_t
     assert digest["worst"]["rank"] == 1 and digest["worst"]["streak"] == 2 and straggler_line(digest) is not None
 
 
+def test_a_streak_is_credited_to_the_ranks_it_named_not_to_the_rank_named_most_often():
+    """Review 68: rank 3 named 3 windows in a row (the warning fired), then rank 7 in 4 windows, never twice in a row:
+    the report named rank 7 with rank 3's streak. The warning's rank comes first, with its own streak."""
+    def fact(i: int, rank: int | None, streak: int) -> dict:
+        return {**_straggler_fact(25 * i, rank, [0.0] * 8 if rank is None else [0.05 if r == rank else 0.0 for r in range(8)]),
+                "streak": streak}
+
+    facts = [fact(1, 3, 1), fact(2, 3, 2), fact(3, 3, 3)]
+    for i in range(4, 12, 2):
+        facts += [fact(i, 7, 1), fact(i + 1, None, 0)]
+    digest = straggler_digest(facts)
+    assert digest["named"] == {"3": 3, "7": 4}
+    assert digest["worst"]["rank"] == 3 and digest["worst"]["streak"] == 3
+    assert straggler_line(digest).startswith("straggler: rank 3,")
+    alone = straggler_digest(facts[3:])  # rank 7's windows alone: never two in a row, no line
+    assert alone["worst"]["rank"] == 7 and alone["worst"]["streak"] == 1 and straggler_line(alone) is None
+
+
 def test_the_summary_and_the_report_carry_step_health_and_stragglers():
     events = [_event("train", 10.0 + i, 11.0 + i, i) for i in range(20)]
     ledger = RankLedger(0, 0, header={"job_start": 0.0}, events=events,
