@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import textwrap
 import threading
 from pathlib import Path
 
@@ -149,6 +150,54 @@ def test_the_isa_probe_runs_only_where_a_module_is_compiled_and_is_never_cut_off
             break
         threading.Event().wait(0.05)
     assert cpu_vec_isa.valid_vec_isa_list is slow_probe  # the gate is gone
+
+
+def test_after_an_exception_the_callbacks_after_it_run_at_once_and_the_exit_waits_for_the_isa_probe(tmp_path):
+    """Review 68: on_exception waited up to 300 s for a running probe before the callbacks after it (a preemption's
+    final save, inside the scheduler's grace period); the process's exit waits for it instead."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import functools, threading, time
+        import torch
+        from lightning.pytorch import Callback, Trainer
+        from lightning.pytorch.demos.boring_classes import BoringModel
+        from torch._inductor import cpu_vec_isa
+        from lightning_ett import CompileCache
+
+        @functools.cache
+        def slow_probe():
+            time.sleep(3.0)
+            open({str(tmp_path / "probed")!r}, "w").close()
+            return []
+
+        cpu_vec_isa.valid_vec_isa_list = slow_probe
+
+        class Failing(BoringModel):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.compile(self.layer, backend="eager")
+
+            def training_step(self, batch, batch_idx):
+                raise RuntimeError("boom")
+
+        class After(Callback):
+            def on_exception(self, trainer, pl_module, exception):
+                print(f"after {{time.time():.3f}}", flush=True)
+
+        trainer = Trainer(accelerator="cpu", max_steps=3, callbacks=[CompileCache({str(tmp_path / "cache")!r}), After()],
+                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                          enable_model_summary=False, limit_val_batches=0)
+        try:
+            trainer.fit(Failing())
+        except RuntimeError:
+            pass
+    """))
+    proc = run_script(str(script), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = float(proc.stdout.split("after ")[1].split()[0])
+    probed = tmp_path / "probed"
+    assert probed.exists(), proc.stdout  # the exit waited for the probe ...
+    assert after < probed.stat().st_mtime, proc.stdout  # ... and the callback after CompileCache did not
 
 
 def test_artifacts_from_another_torch_version_are_ignored_with_a_warning(tmp_path, cold_cache):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,12 @@ class CompileCache(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._end()  # (Lightning calls no teardown after an exception)
+        # (Lightning calls no teardown after an exception.) The process's exit waits for a probe still running, not
+        # this hook: the callbacks after this one (a preemption's final save, within the scheduler's grace period)
+        # run first.
+        if self._isa_probe is not None and not self._isa_probe.done.is_set():
+            atexit.register(self._isa_probe.wait, GATE_TIMEOUT_S)
+        self._patches.undo()
 
     def _end(self) -> None:
         if self._isa_probe is not None:  # done already if anything compiled; a process ending mid-build leaves
