@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import LIGHTNING, SCRIPTS, clean_env, run_script
+from conftest import LIGHTNING, SCRIPTS, clean_env, launch, run_script
 
 from lightning_ett import summarize_run_dir
 from lightning_ett.instrument.ledger import LedgerWriter, launcher_ledger_path, ledger_path
@@ -152,6 +152,33 @@ def test_a_lightningcli_config_error_is_named_by_its_key_and_value_not_by_the_li
     assert reason.startswith(f"exit code {proc.returncode}: error: Parser key \"trainer.callbacks\": Problem with given "
                              f"class_path 'lightning_ett.{name}': "), reason
     assert reason.endswith(named) and "Namespace(" not in reason, reason
+
+
+FIT_FROM = """
+import sys
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False).fit(BoringModel(), ckpt_path=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("what", ["missing", "empty directory"])
+def test_a_fit_from_a_ckpt_path_lightning_cannot_open_is_not_retried(tmp_path, what):
+    """A new-user trial (helper 67): a wrong fit(ckpt_path=...) under plain DDP failed every one of --max-restarts 3
+    attempts the same way before the launcher gave up."""
+    script = tmp_path / "job.py"
+    script.write_text(FIT_FROM)
+    path = tmp_path / ("nothing-here.ckpt" if what == "missing" else "empty")
+    if what == "empty directory":
+        path.mkdir()
+    proc = launch(str(script), str(path), run_dir=tmp_path / "run", devices=1, max_restarts=3)
+    assert proc.returncode != 0 and "gave up after 1 attempt(s)" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert "not retried" in proc.stderr + proc.stdout
+    assert ("FileNotFoundError" if what == "missing" else "IsADirectoryError") in proc.stderr
+    from lightning_ett.launch.worker import not_retryable
+
+    assert not not_retryable(FileNotFoundError("a file the training step reads"))  # elsewhere: retried as before
 
 
 def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):

@@ -164,9 +164,10 @@ def not_retryable(error: BaseException) -> bool:
     """Whether ``error`` will fail the same way on every attempt: a configuration the job cannot run with.
 
     Our arguments' checks (:class:`~lightning_ett.durable.errors.ConfigurationError`), a directory a live
-    job owns, Lightning's ``MisconfigurationException``, a script that does not compile, and an import that
-    fails before training began (a missing package). An import that fails later can be a race that a retry
-    mends (two processes building one extension or compile cache), so it is retried.
+    job owns, Lightning's ``MisconfigurationException``, a script that does not compile, and, before training
+    began, an import that fails (a missing package) or a ``fit(ckpt_path=...)`` Lightning cannot open. An import
+    that fails later can be a race that a retry mends (two processes building one extension or compile cache), so
+    it is retried.
     """
     from lightning_ett.durable.errors import ConfigurationError
     from lightning_ett.durable.ownership import DirectoryInUseError
@@ -177,7 +178,21 @@ def not_retryable(error: BaseException) -> bool:
     if exceptions is not None:
         kinds += (exceptions.MisconfigurationException,)
     trained = get_timeline().exclusive_s.get(Phase.TRAIN.value, 0.0) > 0
-    return any(isinstance(e, kinds) or (isinstance(e, ImportError) and not trained) for e in _chain(error))
+    return any(isinstance(e, kinds) or (not trained and (isinstance(e, ImportError) or _unreadable_ckpt_path(e)))
+               for e in _chain(error))
+
+
+def _unreadable_ckpt_path(error: BaseException) -> bool:
+    """Lightning could not open the checkpoint a fit was to begin from (``fit(ckpt_path=...)`` names nothing, or an
+    empty directory): raised in its checkpoint connector's restore, the same on every attempt."""
+    if not isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("connectors", "checkpoint_connector.py")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _chain(error: BaseException) -> list[BaseException]:
