@@ -47,7 +47,7 @@ def test_sigkilled_attempt_is_counted_and_its_repeated_steps_are_lost(tmp_path):
 
     second = run_script(*args, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "not by this job" not in second.stderr  # job.json in the run dir links the restart to the job
+    assert "begins from a checkpoint of ETT job" not in second.stderr  # job.json in the run dir links the restart to the job
 
     s = summarize_run_dir(run_dir)
     assert len(s.attempts) == 2

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_ett.callbacks.loggers import health_metrics, log_breakdown, log_to_loggers, share_wandb_run
@@ -396,12 +396,14 @@ class ETTMonitor(Callback):
             self._timeline.amend_header(job_start=job_start)
             self.context = dataclasses.replace(self.context, job_start=job_start)
         elif self._stage in (None, "fit"):  # (validate/test/predict on another job's checkpoint restart nothing)
-            rank_zero_warn(
-                f"ETTMonitor: this checkpoint was written by ETT job {state_dict.get('job_id')!r} "
-                f"(run_dir {state_dict.get('run_dir')!r}), not by this job ({self.context.job_id!r}). Its wall time "
-                "and lost steps are not counted here; pass that run_dir to ETTMonitor (or set "
-                "LIGHTNING_ETT_RUN_DIR) to count the restart as another attempt of the same job."
-            )
+            begins = (f"ETTMonitor: this fit begins from a checkpoint of ETT job {state_dict.get('job_id')!r} (run_dir "
+                      f"{state_dict.get('run_dir')!r}); this job ({self.context.job_id!r}) counts its ETT% from its own "
+                      "start, as a new job begun from it (a fine-tune, the next stage)")
+            if ENV_LAUNCHER in os.environ:  # (lightning run restarts a job in its own run dir: no advice to give)
+                rank_zero_info(begins + ".")
+            else:
+                rank_zero_warn(begins + ". If this is a restart of that job, pass its run_dir to ETTMonitor (or set "
+                               "LIGHTNING_ETT_RUN_DIR) to count it as another attempt of the same job.")
 
 
 def _timed_restore(connector: Any, name: str) -> Any:

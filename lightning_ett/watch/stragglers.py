@@ -276,7 +276,7 @@ class Verdict:
         assert self.straggler is not None
         return (f"ETTMonitor: rank {self.straggler} is a straggler: the other ranks waited for it "
                 f"{1000 * self.score_s:.1f} ms per batch ({self.side} side) for {self.streak} consecutive windows of "
-                f"{self.window.batches} steps (threshold {1000 * self.threshold_s:.1f} ms). See the `stragglers` entry "
+                f"{self.window.batches} batches (threshold {1000 * self.threshold_s:.1f} ms). See the `stragglers` entry "
                 "of ett_summary.json.")
 
 
