@@ -192,6 +192,20 @@ def test_the_ckpt_path_a_fit_began_from_is_recorded_in_one_spelling(tmp_path, mo
     assert [_as_begun_from(k) for k in ("last", "best", "hpc")] == ["last", "best", "hpc"]  # Lightning resolves these
 
 
+def test_the_console_says_a_fits_first_and_last_durable_save_and_verbose_says_each(tmp_path):
+    """A new-user trial (helper 67): "auto" in a young job saves every 2-3 steps, and every save printed its line."""
+    quiet = run_job(tmp_path, "--max-steps", "12", "--every", "2", "--keep", "10")
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    lines = [line for line in quiet.stderr.splitlines() if "is durable at" in line]
+    assert len(lines) == 2 and "step 2 is durable" in lines[0], lines
+    assert "step 12 is durable" in lines[1] and "4 more durable since the last line" in lines[1], lines
+    assert steps_on_disk(tmp_path / "ckpt") == [2, 4, 6, 8, 10, 12]  # (every save made, only fewer lines)
+    verbose = run_job(tmp_path, "--max-steps", "12", "--every", "2", "--keep", "10", "--verbose", out="v", ckpt="v")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert [int(line.split(" is durable")[0].split()[-1]) for line in verbose.stderr.splitlines()
+            if "is durable at" in line] == [2, 4, 6, 8, 10, 12]
+
+
 def test_kill_9_mid_write_leaves_the_previous_checkpoint_selected(tmp_path):
     assert run_job(tmp_path, "--max-steps", "4", "--every", "4").returncode == 0
     killed = run_job(tmp_path, "--max-steps", "20", "--every", "2", "--kill-at", "7", "--step-sleep", "0.3", out="b",

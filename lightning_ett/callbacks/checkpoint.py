@@ -81,6 +81,9 @@ def _as_begun_from(ckpt_path: Any) -> str:
     return os.path.realpath(os.path.expanduser(text))
 
 
+#: Without ``verbose``, the "durable at" lines after a fit's first come at most this often (and at its last save).
+QUIET_LINE_EVERY_S = 600.0
+
 _fits_begun_from_a_path = itertools.count()  # (per process: a worker forked from the preloaded server starts at 0)
 
 
@@ -185,6 +188,10 @@ class AsyncCheckpoint(Checkpoint):
             ``benchmarks/README.md``).
         full_every_n_saves: with ``incremental``: every N-th save is full, whatever the chain's
             size or the costs (``None``: by the estimated restore time and the measured costs, as above).
+        verbose: a console line at every save that becomes durable. ``False`` (default): the first and
+            the last of a fit, and otherwise at most one every :data:`QUIET_LINE_EVERY_S` seconds, counting
+            the saves since (``"auto"`` saves a young job every few steps; every save is still logged to
+            the loggers as ``checkpoint/*``).
 
     ETT: only the blocking part of a save is reported as ``checkpoint_save``; the background
     write is logged to every logger as ``checkpoint/write_s`` (with ``checkpoint/blocked_s``,
@@ -210,6 +217,7 @@ class AsyncCheckpoint(Checkpoint):
         overlap_staging: bool = True,
         incremental: bool = False,
         full_every_n_saves: int | None = None,
+        verbose: bool = False,
     ) -> None:
         if not isinstance(dirpath, (str, Path)) or not str(dirpath):
             raise ConfigurationTypeError(f"AsyncCheckpoint(dirpath={dirpath!r}): expected a directory path (str or Path).")
@@ -247,6 +255,8 @@ class AsyncCheckpoint(Checkpoint):
             raise ConfigurationTypeError(f"AsyncCheckpoint(overlap_staging={overlap_staging!r}): expected True or False.")
         if not isinstance(incremental, bool):
             raise ConfigurationTypeError(f"AsyncCheckpoint(incremental={incremental!r}): expected True or False.")
+        if not isinstance(verbose, bool):
+            raise ConfigurationTypeError(f"AsyncCheckpoint(verbose={verbose!r}): expected True or False.")
         check_full_every("AsyncCheckpoint", "full_every_n_saves", full_every_n_saves, "incremental", incremental, "save")
         self.dirpath = Path(dirpath)
         self.every_n_train_steps = every_n_train_steps
@@ -263,6 +273,9 @@ class AsyncCheckpoint(Checkpoint):
         self.overlap_staging = overlap_staging
         self.incremental = incremental
         self.full_every_n_saves = full_every_n_saves
+        self.verbose = verbose
+        self._durable_said_at: float | None = None  # rank 0: the last "durable at" line this fit (monotonic)
+        self._durable_unsaid = 0  # and the saves durable since, not said
         # rank 0: the chain a restore of the last save reads, from committed results (a restart starts with a full save)
         self._full_bytes = 0
         self._chain_bytes = 0
@@ -330,6 +343,7 @@ class AsyncCheckpoint(Checkpoint):
         self._writer.manifest_fields = self._manifest_fields  # (a second fit on this Trainer goes on the first's line)
         self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
         self._since_full_bytes = 0
+        self._durable_said_at, self._durable_unsaid = None, 0
         self._final_step, self._first_step, self._skipped_this_fit = None, None, 0
         if self.incremental and not collective:
             rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
@@ -764,11 +778,18 @@ class AsyncCheckpoint(Checkpoint):
         if result.rebased:
             kind = ("a rebase on the last full save: every row changed since it (a restore no longer reads the deltas "
                     "before), ")
-        rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({kind}"
-                       f"{result.bytes / 2**20:.1f} MiB; "
-                       f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
-                       f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB, of which "
-                       f"{result.overlapped_bytes / 2**20:.1f} MiB copied while the next step ran)")
+        now = time.monotonic()
+        if (self.verbose or self._durable_said_at is None or result.step == self._final_step
+                or now - self._durable_said_at >= QUIET_LINE_EVERY_S):
+            since = f"; {self._durable_unsaid} more durable since the last line" if self._durable_unsaid else ""
+            rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({kind}"
+                           f"{result.bytes / 2**20:.1f} MiB; "
+                           f"training blocked {blocked:.3f} s, written in the background in {result.seconds:.2f} s; "
+                           f"staging buffers {self._stager.nbytes / 2**20:.1f} MiB, of which "
+                           f"{result.overlapped_bytes / 2**20:.1f} MiB copied while the next step ran{since})")
+            self._durable_said_at, self._durable_unsaid = now, 0
+        else:
+            self._durable_unsaid += 1
         if self.auto and decision is not None:
             self._log_decision(decision)
         for listener in list(self._listeners):

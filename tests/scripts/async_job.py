@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--fits", type=int, default=1, help="> 1: a loop of fits, each its own Trainer and data (OUT/result-N.pt)")
     p.add_argument("--kill-in-fit", type=int, default=0, help="the fit of the loop --kill-at applies to")
     p.add_argument("--kill-when-durable", action="store_true", help="--kill-at waits until every save begun is durable")
+    p.add_argument("--verbose", action="store_true", help="AsyncCheckpoint(verbose=True)")
     p.add_argument("--sigterm-at", type=int, default=None, help="send SIGTERM to rank 0 at this step")
     p.add_argument("--publish-dir", default=None, help="add ModelPublisher(dirpath=...)")
     p.add_argument("--publish-metrics", default="", help="comma-separated ModelPublisher metrics")
@@ -140,7 +141,8 @@ def main() -> None:
 
 
 def fit_once(args: argparse.Namespace, out: Path, ckpt_dir: Path, interval: dict, fit: int) -> None:
-    checkpoint = AsyncCheckpoint(ckpt_dir, keep_last_n=args.keep, when_busy=args.when_busy, **interval)
+    checkpoint = AsyncCheckpoint(ckpt_dir, keep_last_n=args.keep, when_busy=args.when_busy, verbose=args.verbose,
+                                 **interval)
     kill_at = args.kill_at if fit == args.kill_in_fit else None
     callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False), checkpoint,
                  Faults(kill_at, args.block_tmp_of, ckpt_dir, args.sigterm_at,

@@ -230,7 +230,8 @@ def main() -> None:
     if args.async_every or args.async_minutes:
         interval = {"every_n_minutes": args.async_minutes} if args.async_minutes else {"every_n_train_steps": args.async_every}
         callbacks.append(AsyncCheckpoint(args.ckpt_dir, keep_last_n=args.async_keep, incremental=args.incremental,
-                                         full_every_n_saves=args.full_every, when_busy=args.when_busy, **interval))
+                                         full_every_n_saves=args.full_every, when_busy=args.when_busy, verbose=True,
+                                         **interval))
     if args.top_k_dir:  # its state in Lightning's checkpoint data grows a tensor at every save
         callbacks.append(ModelCheckpoint(dirpath=args.top_k_dir, monitor="loss", save_top_k=-1, every_n_train_steps=2))
     if args.publish_dir:
