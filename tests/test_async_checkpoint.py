@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import itertools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,18 +121,20 @@ def test_only_a_fit_of_the_same_job_begun_from_the_same_ckpt_path_is_continued(t
     assert run_script(JOB, "--out", str(tmp_path / "a"), "--ckpt-dir", str(tmp_path / "ckpt"), "--max-steps", "12",
                       "--every", "4", "--ckpt-path", origin + "/", **launched).returncode == 0  # (a DCP directory)
     entries = fmt.committed(tmp_path / "ckpt")
-    origin = os.path.realpath(origin)  # recorded resolved: `a/b/`, `./a/b` and `a/b` are one checkpoint to begin from
-    assert [e.began for e in entries] == [(job, origin, "fit 0")] * 2  # steps 8 and 12
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin, "fit 0")) == entries[-1].path  # its later start
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin, "fit 0")) is None  # another job
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path), "fit 0")) is None  # a roll-back
-    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin, "fit 1")) is None  # the process's next fit
+    origin = os.path.abspath(origin)  # recorded normalised: `a/b/`, `./a/b` and `a/b` are one checkpoint to begin from
+    assert [e.began for e in entries] == [(job, origin)] * 2  # steps 8 and 12
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, origin)) == entries[-1].path  # its later start
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(f"job-a in {tmp_path}", origin)) is None  # another job
+    assert fmt.newest_complete(tmp_path / "ckpt", began=(job, str(entries[0].path))) is None  # a roll-back
+    writer = entries[-1].process  # a second fit with the same ckpt_path in the same process is not a restart
+    assert writer and fmt.newest_complete(tmp_path / "ckpt", began=(job, origin), not_by=writer) is None
+    assert re.fullmatch(r"[0-9a-f-]+:\d+@\d+", writer), writer  # boot, pid and start ticks: no wall clock
 
 
-def test_a_restarted_loop_of_fits_from_one_ckpt_path_continues_each_fit_from_its_own_checkpoints(tmp_path):
-    """A loop of fits (seeds, settings) from one pretrained checkpoint over one dirpath: after a crash in the second
-    fit, the script runs again; its first fit finds its own finished line (not the second fit's newer one) and its
-    second fit continues where it was killed (not from ckpt_path again), ending as a loop never killed does."""
+def test_a_restarted_loop_of_fits_each_with_its_own_dirpath_continues_each_fit_from_its_own_checkpoints(tmp_path):
+    """A loop of fits (seeds, settings) from one pretrained checkpoint, a dirpath per fit: after a crash in the second
+    fit the script runs again; its first fit finds its own finished line and trains nothing more, its second fit
+    continues where it was killed (not from ckpt_path again), and both end as a loop never killed does."""
     from lightning_ett.instrument import environment as env
 
     assert run_job(tmp_path, "--max-steps", "4", "--every", "4", ckpt="origin").returncode == 0
@@ -141,16 +144,17 @@ def test_a_restarted_loop_of_fits_from_one_ckpt_path_continues_each_fit_from_its
         launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: name, env.ENV_ATTEMPT: "0",
                     env.ENV_RUN_DIR: str(tmp_path / name / "ett")}
         return run_script(JOB, "--out", str(tmp_path / name), "--ckpt-dir", str(tmp_path / name / "ckpt"), "--fits", "2",
-                          "--max-steps", "12", "--every", "4", "--keep", "10", "--ckpt-path", origin, *args, **launched)
+                          "--dir-per-fit", "--max-steps", "12", "--every", "4", "--ckpt-path", origin, *args, **launched)
 
     assert loop("whole").returncode == 0
     assert loop("killed", "--kill-in-fit", "1", "--kill-at", "10", "--step-sleep", "0.1",
                 "--kill-when-durable").returncode == -9  # fit 1 saved step 8, not 12
     again = loop("killed")
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "had already reached max_steps=12" in " ".join(again.stderr.split())  # fit 0, said once
     first, second = (torch.load(tmp_path / "killed" / f"result-{i}.pt", weights_only=False) for i in (0, 1))
-    assert Path(first["resumed_from"]).name == "step-000000012"  # fit 0's end (fit 1 overwrote its step 8)
-    assert Path(second["resumed_from"]).name == "step-000000008"  # fit 1's own
+    assert Path(first["resumed_from"]) == tmp_path / "killed" / "ckpt" / "fit0" / "step-000000012"
+    assert Path(second["resumed_from"]) == tmp_path / "killed" / "ckpt" / "fit1" / "step-000000008"
     for i, resumed in enumerate((first, second)):
         whole = torch.load(tmp_path / "whole" / f"result-{i}.pt", weights_only=False)
         for key, value in whole["weights"].items():
@@ -174,7 +178,7 @@ def test_a_relaunch_into_a_finished_jobs_run_dir_says_it_trains_nothing_more_and
     assert again.returncode == 0, again.stderr[-3000:]
     assert str(result(tmp_path, "a")["resumed_from"]).endswith("step-000000012")
     said = " ".join(again.stderr.split())
-    assert "already reached max_steps=12" in said and "trains nothing more" in said and "--job-id" in said
+    assert "had already reached max_steps=12" in said and "trains nothing more" in said and "--job-id" in said
     longer = run_script(*args, "--max-steps", "16", **launched)  # more steps: continues
     assert longer.returncode == 0, longer.stderr[-3000:]
     said = " ".join(longer.stderr.split())
@@ -182,14 +186,53 @@ def test_a_relaunch_into_a_finished_jobs_run_dir_says_it_trains_nothing_more_and
     assert str(result(tmp_path, "a")["resumed_from"]).endswith("step-000000012")
 
 
+LR_FIND = """
+import sys
+sys.path.insert(0, sys.argv[4])
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import LearningRateFinder
+from torch.utils.data import DataLoader
+from async_job import Regression, Steps
+from lightning_ett import AsyncCheckpoint
+trainer = Trainer(accelerator="cpu", max_steps=int(sys.argv[3]), logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=sys.argv[1],
+                  callbacks=[LearningRateFinder(num_training_steps=5, update_attr=False),
+                             AsyncCheckpoint(sys.argv[1] + "/ckpt", every_n_train_steps=4, keep_last_n=10)])
+torch.manual_seed(0)
+trainer.fit(Regression(64, 0.0), DataLoader(Steps(), batch_size=None), ckpt_path=sys.argv[2])
+"""
+
+
+def test_a_tuners_restore_inside_the_fit_leaves_where_the_fit_began_and_a_relaunch_continues(tmp_path):
+    """Review 69: Lightning's LearningRateFinder restores its temporary checkpoint through resume_start inside the
+    fit; that restore was taken for the fit's own, so every checkpoint said the fit began from `.lr_find_*.ckpt` and
+    a relaunch went back to ckpt_path."""
+    from lightning_ett.instrument import environment as env
+
+    assert run_job(tmp_path, "--max-steps", "4", "--every", "4", ckpt="origin").returncode == 0
+    origin = str(tmp_path / "origin" / "step-000000004")
+    launched = {env.ENV_LAUNCHER: "lightning run", env.ENV_JOB_ID: "tuned", env.ENV_ATTEMPT: "0",
+                env.ENV_RUN_DIR: str(tmp_path / "ett")}
+    scripts = str(Path(JOB).parent)
+    first = run_script("-c", LR_FIND, str(tmp_path), origin, "12", scripts, **launched)
+    assert first.returncode == 0, first.stderr[-3000:]
+    entries = fmt.committed(tmp_path / "ckpt")
+    assert entries and {e.began for e in entries} == {(f"tuned in {tmp_path / 'ett'}", origin)}
+    longer = run_script("-c", LR_FIND, str(tmp_path), origin, "16", scripts, **launched)  # relaunched, more steps
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert f"it resumes from {tmp_path / 'ckpt' / 'step-000000012'}" in " ".join(longer.stderr.split())
+
+
 def test_the_ckpt_path_a_fit_began_from_is_recorded_in_one_spelling(tmp_path, monkeypatch):
     from lightning_ett.callbacks.checkpoint import _as_begun_from
 
     monkeypatch.chdir(tmp_path)
     spellings = {_as_begun_from(p) for p in ("ckpt/step-4", "ckpt/step-4/", "./ckpt//step-4", tmp_path / "ckpt" / "step-4")}
-    assert spellings == {os.path.realpath(tmp_path / "ckpt" / "step-4")}
+    assert spellings == {os.path.join(os.getcwd(), "ckpt", "step-4")}
     assert _as_begun_from("s3://bucket/ckpt/step-4/") == "s3://bucket/ckpt/step-4"
-    assert [_as_begun_from(k) for k in ("last", "best", "hpc")] == ["last", "best", "hpc"]  # Lightning resolves these
+    (tmp_path / "latest").symlink_to(tmp_path / "ckpt")  # a link is its own name: moved to a new target, another one
+    assert _as_begun_from("latest/step-4") == os.path.join(os.getcwd(), "latest", "step-4")
 
 
 def test_the_console_says_a_fits_first_and_last_durable_save_and_verbose_says_each(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -44,6 +43,7 @@ from lightning_ett.durable.errors import (
 )
 from lightning_ett.durable.files import writable_dir_error
 from lightning_ett.durable.ownership import CHECKPOINT_OWNER_FILE, OwnerLock
+from lightning_ett.durable.procfs import process_start_ticks
 from lightning_ett.instrument.cadence_facts import cadence_line, mtbf_is_assumed
 from lightning_ett.instrument.environment import (
     ENV_ATTEMPT,
@@ -70,28 +70,30 @@ class CheckpointListener(Protocol):
 
 
 def _as_begun_from(ckpt_path: Any) -> str:
-    """``fit``'s ``ckpt_path`` as a manifest's ``began`` records it: a local path resolved, so ``a/b``, ``a/b/`` and
-    ``./a/b`` are one checkpoint to begin from; a URL without its trailing slash; Lightning's ``"last"``, ``"best"``,
-    ``"hpc"`` and ``"registry..."`` as given (they name no path until Lightning resolves them)."""
+    """``fit``'s ``ckpt_path`` as a manifest's ``began`` records it: a local path made absolute and normalised, so
+    ``a/b``, ``a/b/`` and ``./a//b`` are one checkpoint to begin from (symlinks are kept: a link moved to another
+    target is another checkpoint); a URL without its trailing slash."""
     text = str(ckpt_path)
     if "://" in text:
         return text.rstrip("/")
-    if text in ("last", "best", "hpc") or text.startswith("registry"):
-        return text
-    return os.path.realpath(os.path.expanduser(text))
+    return os.path.abspath(os.path.normpath(os.path.expanduser(text)))
+
+
+def _this_process() -> str:
+    """This process, as a manifest names the writer of a checkpoint: the host's boot, the pid and its start in clock
+    ticks since boot (no wall clock: a clock step cannot change it), read when called (a worker forked from the
+    preloaded server shares every value computed at import)."""
+    pid = os.getpid()
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{boot}:{pid}@{process_start_ticks(pid)}"
 
 
 #: Without ``verbose``, the "durable at" lines after a fit's first come at most this often (and at its last save).
 QUIET_LINE_EVERY_S = 600.0
-
-_fits_begun_from_a_path = itertools.count()  # (per process: a worker forked from the preloaded server starts at 0)
-
-
-def _next_fit() -> str:
-    """Which fit begun from an explicit ``ckpt_path`` this is in this process (``"fit 0"``, ``"fit 1"``, ...): the
-    same fit of the same script after a restart, so a loop of fits over one ``dirpath`` (seeds, stages) continues each
-    fit's own line, and a second fit from the same ``ckpt_path`` in the same process begins from it again."""
-    return f"fit {next(_fits_begun_from_a_path)}"
 
 
 class AsyncCheckpoint(Checkpoint):
@@ -398,22 +400,27 @@ class AsyncCheckpoint(Checkpoint):
         Lightning passes ``ckpt_path`` to ``resume_start`` (on every rank, at the same point);
         the choice is made there. Only a fresh start (global step 0) resumes: a second ``fit``
         on the same Trainer without a ``ckpt_path`` continues as is. An explicit ``ckpt_path`` is
-        where a fit begins: a later start of the same fit under ``lightning run`` (a restart, a
-        relaunch into the job's run dir; the same fit: the Nth of the process begun from a
-        ``ckpt_path``) resumes from what the job committed in that fit, if anything (going back
-        would re-run every step since, at every restart), and costs no verification otherwise.
+        where a fit begins: a later start of that fit under ``lightning run`` (a restart, a
+        relaunch into the job's run dir: another process) resumes from what the job committed in
+        a fit begun from that ``ckpt_path``, if anything (going back would re-run every step since,
+        at every restart), and costs no verification otherwise. Only the fit's own restore is
+        chosen here: Lightning's tuners (``lr_find``, ``scale_batch_size``) restore their own
+        temporary checkpoints through ``resume_start`` later in the fit.
         """
         connector = trainer._checkpoint_connector
         original = connector.resume_start
+        chosen = False  # (this fit's restore: the patch is installed at each fit's setup)
 
         def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            nonlocal chosen
             fresh = trainer.global_step == 0  # (a later fit on this Trainer without a ckpt_path goes on as is)
-            if trainer.state.fn == "fit" and (fresh or checkpoint_path):
+            if trainer.state.fn == "fit" and not chosen and (fresh or checkpoint_path):
+                chosen = True
                 job = launched_job()
-                # What every checkpoint of this fit says it began from: the job, the ckpt_path and which fit of the
-                # process (a restart re-runs the script: its Nth fit continues the Nth fit's line).
-                began = [job, _as_begun_from(checkpoint_path), _next_fit()] if job and checkpoint_path else None
-                self._manifest_fields = {"began": began} if began else {}
+                # What every checkpoint of this fit says it began from, and which process wrote it (a second fit in
+                # this process from the same ckpt_path begins from it again: only a later process continues).
+                began = [job, _as_begun_from(checkpoint_path)] if job and checkpoint_path else None
+                self._manifest_fields = {"began": began, "process": _this_process()} if began else {}
                 if self._writer is not None:
                     self._writer.manifest_fields = self._manifest_fields
                 if not checkpoint_path:
@@ -425,17 +432,18 @@ class AsyncCheckpoint(Checkpoint):
         self._patches.setattr(connector, "resume_start", resume_start)
 
     def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any, began: tuple[str, ...]) -> str | None:
-        """Under ``lightning run``: the newest complete checkpoint this job committed in the same fit of the script
+        """Under ``lightning run``: the newest complete checkpoint this job committed, in an earlier process, in a fit
         begun from the same ``ckpt_path`` (``began``), if any (a restart, a relaunch into the job's run dir). Another
-        ``ckpt_path`` (a roll-back, the next stage of a multi-stage script), another fit or another job finds none.
-        Rank 0 decides and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
+        ``ckpt_path`` (a roll-back, the next stage of a multi-stage script) or another job finds none. Rank 0 decides
+        and every rank takes its answer: no rank decides alone, so none waits for a broadcast alone."""
         path = self._select_resume_checkpoint(trainer, began=began)
         step = fmt.step_of(path) if path is not None else None
         if step is not None and 0 < trainer.max_steps <= step:
-            rank_zero_warn(f"AsyncCheckpoint: this job's fit begun from fit(ckpt_path={str(ckpt_path)!r}) already reached "
-                           f"max_steps={trainer.max_steps} ({path}): it resumes there and trains nothing more. A relaunch "
-                           "into a job's run dir continues that job; to train again from ckpt_path, start a new job "
-                           "(another --run-dir or --job-id), or pass AsyncCheckpoint(resume=False).")
+            rank_zero_info(f"AsyncCheckpoint: this job's fit begun from fit(ckpt_path={str(ckpt_path)!r}) had already "
+                           f"reached max_steps={trainer.max_steps} ({path}): it resumes there and trains nothing more "
+                           "(a restart of a script whose earlier fits were done, or a relaunch of a finished job into its "
+                           "run dir; to train again from ckpt_path, start a new job with another --run-dir or --job-id, "
+                           "or pass AsyncCheckpoint(resume=False)).")
         elif path is not None:
             rank_zero_warn(f"AsyncCheckpoint: this job began from fit(ckpt_path={str(ckpt_path)!r}) and has trained "
                            f"since: it resumes from {path}, the newest checkpoint it committed from there (going back "
@@ -453,7 +461,8 @@ class AsyncCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             start = time.time()
             try:
-                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began)
+                found = fmt.newest_complete(self.dirpath, checksums=self.verify_checksums, began=began,
+                                            not_by=_this_process() if began is not None else None)
                 answer = (str(found) if found is not None else None, None)
                 if found is not None:
                     get_timeline().record(Phase.CHECKPOINT_LOAD, start, time.time())  # verification is part of the load

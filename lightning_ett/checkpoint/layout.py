@@ -116,7 +116,8 @@ class CheckpointEntry:
     chain: tuple[str, ...] = ()  # an incremental checkpoint's: the names it needs to be restored
     rebase: bool = False  # a rebase: every row changed since its chain's full save
     chain_seqs: tuple[int, ...] = ()  # the commit number of each member of ``chain``
-    began: tuple[str, ...] | None = None  # the job (id and run dir), ckpt_path and fit ("fit N") that committed it
+    began: tuple[str, ...] | None = None  # the job (id and run dir) and the ckpt_path of the fit that committed it
+    process: str | None = None  # the process that committed it, where recorded with ``began``
 
 
 def committed(root: Path) -> list[CheckpointEntry]:
@@ -130,10 +131,11 @@ def committed(root: Path) -> list[CheckpointEntry]:
             fields = read_manifest(d, FORMAT) or {}
             seq, links = fields.get("seq"), chain_links(fields)
             began = fields.get("began")
-            valid = isinstance(began, list) and len(began) == 3 and all(isinstance(b, str) for b in began)
+            valid = isinstance(began, list) and len(began) == 2 and all(isinstance(b, str) for b in began)
             entries.append(CheckpointEntry(d, step, seq if isinstance(seq, int) else 0,
                                            tuple(link["name"] for link in links), bool(fields.get("rebase")),
-                                           tuple(link["seq"] for link in links), tuple(began) if valid else None))
+                                           tuple(link["seq"] for link in links), tuple(began) if valid else None,
+                                           fields["process"] if isinstance(fields.get("process"), str) else None))
     return sorted(entries, key=lambda e: (e.seq, e.step))
 
 
@@ -141,12 +143,14 @@ def next_seq(entries: list[CheckpointEntry]) -> int:
     return max((e.seq for e in entries), default=0) + 1
 
 
-def newest_complete(root: Path, checksums: bool = True, began: tuple[str, ...] | None = None) -> Path | None:
+def newest_complete(root: Path, checksums: bool = True, began: tuple[str, ...] | None = None,
+                    not_by: str | None = None) -> Path | None:
     """The newest checkpoint under ``root`` that passes :func:`verify` (with ``began``: of those whose manifest says
-    they were committed by that job in that fit begun from that ``ckpt_path``); warns about each one skipped."""
+    they were committed by that job in a fit begun from that ``ckpt_path``; with ``not_by``: by another process than
+    that); warns about each one skipped."""
     seen: dict[tuple[str, Any], str | None] = {}
     for entry in reversed(committed(root)):
-        if began is not None and entry.began != began:
+        if (began is not None and entry.began != began) or (not_by is not None and entry.process == not_by):
             continue
         problem = verify(entry.path, checksums, seen)
         if problem is None:

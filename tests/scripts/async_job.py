@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--fits", type=int, default=1, help="> 1: a loop of fits, each its own Trainer and data (OUT/result-N.pt)")
     p.add_argument("--kill-in-fit", type=int, default=0, help="the fit of the loop --kill-at applies to")
+    p.add_argument("--dir-per-fit", action="store_true", help="with --fits: each fit checkpoints to CKPT_DIR/fitN")
     p.add_argument("--kill-when-durable", action="store_true", help="--kill-at waits until every save begun is durable")
     p.add_argument("--verbose", action="store_true", help="AsyncCheckpoint(verbose=True)")
     p.add_argument("--sigterm-at", type=int, default=None, help="send SIGTERM to rank 0 at this step")
@@ -137,7 +138,7 @@ def main() -> None:
     if args.every == "auto":
         interval.update(mtbf_hours=args.mtbf_hours, max_interval_minutes=args.max_interval_minutes)
     for fit in range(args.fits):
-        fit_once(args, out, ckpt_dir, interval, fit)
+        fit_once(args, out, ckpt_dir / f"fit{fit}" if args.dir_per_fit else ckpt_dir, interval, fit)
 
 
 def fit_once(args: argparse.Namespace, out: Path, ckpt_dir: Path, interval: dict, fit: int) -> None:
