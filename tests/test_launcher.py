@@ -181,6 +181,34 @@ def test_a_fit_from_a_ckpt_path_lightning_cannot_open_is_not_retried(tmp_path, w
     assert not not_retryable(FileNotFoundError("a file the training step reads"))  # elsewhere: retried as before
 
 
+def test_an_unreadable_checkpoint_is_retried_at_a_later_attempt_or_outside_lightnings_load(tmp_path, monkeypatch):
+    """Review 69: a restart may resume from a checkpoint the storage does not show yet (NFS, an object store), and a
+    user's hook or a save may fail on a file: those are retried as before."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_ett.instrument.environment import ENV_ATTEMPT
+    from lightning_ett.launch.worker import not_retryable
+
+    def error_of(model: BoringModel, ckpt_path: str | None) -> BaseException:
+        trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+        with pytest.raises(OSError) as caught:
+            trainer.fit(model, ckpt_path=ckpt_path)
+        return caught.value
+
+    class ReadsAFile(BoringModel):
+        def on_fit_start(self) -> None:
+            (tmp_path / "a-file-it-reads").read_text()
+
+    missing = str(tmp_path / "nothing-here.ckpt")
+    monkeypatch.setenv(ENV_ATTEMPT, "0")
+    assert not_retryable(error_of(BoringModel(), missing))  # the job's first attempt: fit's own ckpt_path
+    assert not not_retryable(error_of(ReadsAFile(), None))  # a file elsewhere in the fit
+    monkeypatch.setenv(ENV_ATTEMPT, "1")
+    assert not not_retryable(error_of(BoringModel(), missing))  # a later attempt: the storage may catch up
+
+
 def test_a_relaunch_into_the_same_run_dir_continues_the_attempt_numbers(tmp_path):
     assert next_attempt(tmp_path) == 0
     LedgerWriter(ledger_path(tmp_path, 2, 0)).close()

@@ -165,7 +165,8 @@ def not_retryable(error: BaseException) -> bool:
 
     Our arguments' checks (:class:`~lightning_ett.durable.errors.ConfigurationError`), a directory a live
     job owns, Lightning's ``MisconfigurationException``, a script that does not compile, and, before training
-    began, an import that fails (a missing package) or a ``fit(ckpt_path=...)`` Lightning cannot open. An import
+    began, an import that fails (a missing package) or, at the first attempt, a ``fit(ckpt_path=...)`` Lightning cannot
+    open. An import
     that fails later can be a race that a retry mends (two processes building one extension or compile cache), so
     it is retried.
     """
@@ -183,13 +184,18 @@ def not_retryable(error: BaseException) -> bool:
 
 
 def _unreadable_ckpt_path(error: BaseException) -> bool:
-    """Lightning could not open the checkpoint a fit was to begin from (``fit(ckpt_path=...)`` names nothing, or an
-    empty directory): raised in its checkpoint connector's restore, the same on every attempt."""
+    """At a job's first attempt, Lightning could not open the checkpoint a fit was to begin from (``fit(ckpt_path=...)``
+    names nothing, or an empty directory): raised where its checkpoint connector loads it (``resume_start``), it fails
+    the same way on every attempt. Not at a later attempt (a checkpoint a restart resumes from may be one the storage
+    does not show yet), nor anywhere else in a restore or a save (a user's hook, a save's file)."""
     if not isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if os.environ.get(ENV_ATTEMPT) != "0":
         return False
     tb = error.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("connectors", "checkpoint_connector.py")):
+        code = tb.tb_frame.f_code
+        if code.co_name == "resume_start" and code.co_filename.endswith(os.path.join("connectors", "checkpoint_connector.py")):
             return True
         tb = tb.tb_next
     return False
