@@ -243,6 +243,14 @@ def test_the_console_says_a_fits_first_and_last_durable_save_and_verbose_says_ea
     assert len(lines) == 2 and "step 2 is durable" in lines[0], lines
     assert "step 12 is durable" in lines[1] and "4 more durable since the last line" in lines[1], lines
     assert steps_on_disk(tmp_path / "ckpt") == [2, 4, 6, 8, 10, 12]  # (every save made, only fewer lines)
+    # A fit that ends without its last save (an error here; max_epochs or EarlyStopping at a saved step alike) still
+    # says what became durable since the last line (review 69).
+    failed = run_job(tmp_path, "--max-steps", "30", "--every", "2", "--keep", "10", "--raise-at", "11", "--step-sleep",
+                     "0.05", out="n", ckpt="n")
+    assert failed.returncode != 0 and "a training error at step 11" in failed.stderr
+    unsaid = re.findall(r"(\d+) more saves durable since the last line; the newest, step (\d+), at",
+                        " ".join(failed.stderr.split()))
+    assert len(unsaid) == 1 and int(unsaid[0][0]) >= 2 and int(unsaid[0][1]) in (6, 8, 10), failed.stderr[-2000:]
     verbose = run_job(tmp_path, "--max-steps", "12", "--every", "2", "--keep", "10", "--verbose", out="v", ckpt="v")
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert [int(line.split(" is durable")[0].split()[-1]) for line in verbose.stderr.splitlines()

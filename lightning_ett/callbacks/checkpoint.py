@@ -278,6 +278,7 @@ class AsyncCheckpoint(Checkpoint):
         self.verbose = verbose
         self._durable_said_at: float | None = None  # rank 0: the last "durable at" line this fit (monotonic)
         self._durable_unsaid = 0  # and the saves durable since, not said
+        self._newest_durable: tuple[int, Path] | None = None  # rank 0: (step, path) of the newest durable save
         # rank 0: the chain a restore of the last save reads, from committed results (a restart starts with a full save)
         self._full_bytes = 0
         self._chain_bytes = 0
@@ -345,7 +346,7 @@ class AsyncCheckpoint(Checkpoint):
         self._writer.manifest_fields = self._manifest_fields  # (a second fit on this Trainer goes on the first's line)
         self._full_bytes = self._chain_bytes = self._deltas_in_chain = self._last_delta_bytes = 0
         self._since_full_bytes = 0
-        self._durable_said_at, self._durable_unsaid = None, 0
+        self._durable_said_at, self._durable_unsaid, self._newest_durable = None, 0, None
         self._final_step, self._first_step, self._skipped_this_fit = None, None, 0
         if self.incremental and not collective:
             rank_zero_warn(f"AsyncCheckpoint(incremental=True): {type(trainer.strategy).__name__} holds no sharded "
@@ -799,6 +800,7 @@ class AsyncCheckpoint(Checkpoint):
             self._durable_said_at, self._durable_unsaid = now, 0
         else:
             self._durable_unsaid += 1
+        self._newest_durable = (result.step, result.path)
         if self.auto and decision is not None:
             self._log_decision(decision)
         for listener in list(self._listeners):
@@ -836,6 +838,7 @@ class AsyncCheckpoint(Checkpoint):
             self._save(trainer, final=True)
         with record_phase(Phase.CHECKPOINT_SAVE, trainer.global_step):
             self._wait_agreed(trainer)  # the job is not done before its last save is durable
+        self._say_unsaid()
         if self._skipped_this_fit > 1:
             rank_zero_warn(f"AsyncCheckpoint: {self._skipped_this_fit} saves were skipped in this fit: the previous save "
                            "was still being written each time (when_busy='skip'). Save less often or pass "
@@ -860,7 +863,17 @@ class AsyncCheckpoint(Checkpoint):
             except Exception as e:  # noqa: BLE001 - the training error is the one to raise; report this one
                 rank_zero_warn(f"AsyncCheckpoint: the save in flight when training failed did not finish on every rank: "
                                f"{e}")
+        self._say_unsaid()
         self._cleanup()
+
+    def _say_unsaid(self) -> None:
+        """At a fit's end: the saves made durable since the console's last line, if any (the fit may end without a
+        final save: it stopped at a saved step, by max_epochs or EarlyStopping, or failed)."""
+        if self._durable_unsaid and self._newest_durable is not None:
+            step, path = self._newest_durable
+            rank_zero_info(f"AsyncCheckpoint: {self._durable_unsaid} more saves durable since the last line; the newest, "
+                           f"step {step}, at {path}")
+            self._durable_unsaid = 0
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

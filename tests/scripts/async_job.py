@@ -53,6 +53,7 @@ class Faults(Callback):
     def __init__(self, kill_at: int | None, block_tmp_of: int | None, ckpt_dir: Path, sigterm_at: int | None = None,
                  after_durable: AsyncCheckpoint | None = None) -> None:
         self.kill_at, self.block_tmp_of, self.ckpt_dir, self.sigterm_at = kill_at, block_tmp_of, ckpt_dir, sigterm_at
+        self.raise_at: int | None = None
         self.snapshots: set[int] = set()
         self.durable: set[int] = set()
         if after_durable is not None:  # kill only once every save begun was reported durable (at a batch end)
@@ -72,6 +73,8 @@ class Faults(Callback):
             while not self.snapshots <= self.durable and time.time() < deadline:
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.raise_at is not None and trainer.global_step == self.raise_at:
+            raise RuntimeError(f"a training error at step {self.raise_at}")
         if self.sigterm_at is not None and trainer.global_step == self.sigterm_at and trainer.global_rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
 
@@ -123,6 +126,7 @@ def main() -> None:
     p.add_argument("--dir-per-fit", action="store_true", help="with --fits: each fit checkpoints to CKPT_DIR/fitN")
     p.add_argument("--kill-when-durable", action="store_true", help="--kill-at waits until every save begun is durable")
     p.add_argument("--verbose", action="store_true", help="AsyncCheckpoint(verbose=True)")
+    p.add_argument("--raise-at", type=int, default=None, help="raise a RuntimeError at this step")
     p.add_argument("--sigterm-at", type=int, default=None, help="send SIGTERM to rank 0 at this step")
     p.add_argument("--publish-dir", default=None, help="add ModelPublisher(dirpath=...)")
     p.add_argument("--publish-metrics", default="", help="comma-separated ModelPublisher metrics")
@@ -148,6 +152,7 @@ def fit_once(args: argparse.Namespace, out: Path, ckpt_dir: Path, interval: dict
     callbacks = [ETTMonitor(run_dir=out / "ett", report_on_end=False), checkpoint,
                  Faults(kill_at, args.block_tmp_of, ckpt_dir, args.sigterm_at,
                         checkpoint if args.kill_when_durable else None)]
+    callbacks[-1].raise_at = args.raise_at
     if args.publish_dir:
         callbacks.append(ModelPublisher(args.publish_dir, keep_last_n=args.publish_keep, strict=args.publish_strict,
                                         metrics=[m for m in args.publish_metrics.split(",") if m]))
