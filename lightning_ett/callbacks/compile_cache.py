@@ -31,6 +31,11 @@ from lightning_ett.patching import Patches
 __all__ = ["ARTIFACTS", "ARTIFACTS_INFO", "CompileCache"]
 
 
+#: How long a process's exit waits for an ISA probe still running after an exception: a probe takes 1-5 s; a
+#: launcher gives a stopping worker about 30 s before SIGKILL, and other exit handlers (a logger's last sync) need some.
+EXIT_WAIT_S = 15.0
+
+
 class CompileCache(Callback):
     r"""Make PT2's caches persistent and shared across a job's restarts.
 
@@ -167,7 +172,7 @@ class CompileCache(Callback):
         # this hook: the callbacks after this one (a preemption's final save, within the scheduler's grace period)
         # run first.
         if self._isa_probe is not None and not self._isa_probe.done.is_set():
-            atexit.register(self._isa_probe.wait, GATE_TIMEOUT_S)
+            atexit.register(self._isa_probe.wait, EXIT_WAIT_S)
         self._patches.undo()
 
     def _end(self) -> None:

@@ -399,8 +399,9 @@ class ETTMonitor(Callback):
             begins = (f"ETTMonitor: this fit begins from a checkpoint of ETT job {state_dict.get('job_id')!r} (run_dir "
                       f"{state_dict.get('run_dir')!r}); this job ({self.context.job_id!r}) counts its ETT% from its own "
                       "start, as a new job begun from it (a fine-tune, the next stage)")
-            if ENV_LAUNCHER in os.environ:  # (lightning run restarts a job in its own run dir: no advice to give)
-                rank_zero_info(begins + ".")
+            if ENV_LAUNCHER in os.environ:  # (lightning run restarts a job in its own run dir itself)
+                rank_zero_info(begins + ". If this is a relaunch of that job, start `lightning run` with its --run-dir "
+                               f"({state_dict.get('run_dir')!r}) to count it as another attempt of the same job.")
             else:
                 rank_zero_warn(begins + ". If this is a restart of that job, pass its run_dir to ETTMonitor (or set "
                                "LIGHTNING_ETT_RUN_DIR) to count it as another attempt of the same job.")

@@ -23,7 +23,7 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``stragglers`` entry of ``ett_summary.json``; ``None`` when no window was scored.
 
     ``latest``: the last window's per-rank scores and verdict. ``named``: windows each rank was named
-    in. ``worst``: the rank named most often (of those the warning named, if any), with the median of its scores when
+    in. ``worst``: the rank named most often (of those the live warning named, if any), with the median of its scores when
     named, its side, and ``streak``: the longest streak of the live warning's rule that named it (what the warning
     and the report go by).
     """
@@ -42,7 +42,9 @@ def straggler_digest(facts: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
     if named:
         streaks = _streaks_by_rank(facts)
-        warned = [r for r in named if streaks.get(r, 0) >= WARN_AFTER_WINDOWS]  # the warning's ranks come first
+        warned = sorted({int(f["straggler"]) for f in facts if f.get("warned") is True and f.get("straggler") is not None})
+        if not warned:  # (facts written without the field: the ranks a warning-long streak named)
+            warned = [r for r in named if streaks.get(r, 0) >= WARN_AFTER_WINDOWS]
         rank = max(warned or named, key=lambda r: (named[r], streaks.get(r, 0)))
         windows = named[rank]
         mine = [f for f in facts if f.get("straggler") == rank]

@@ -270,6 +270,7 @@ class Verdict:
             "threshold_s": round(self.threshold_s, 6),
             "step_s": round(self.step_s, 6) if self.step_s is not None and math.isfinite(self.step_s) else None,
             "streak": self.streak,
+            "warned": self.warn,  # the live warning named this straggler here: the report names it too
         }
 
     def message(self) -> str:

@@ -164,6 +164,12 @@ def test_a_streak_is_credited_to_the_ranks_it_named_not_to_the_rank_named_most_o
     assert straggler_line(digest).startswith("straggler: rank 3,")
     alone = straggler_digest(facts[3:])  # rank 7's windows alone: never two in a row, no line
     assert alone["worst"]["rank"] == 7 and alone["worst"]["streak"] == 1 and straggler_line(alone) is None
+    # A streak that rank 7 began and rank 3 continued, where the warning named rank 3 (the facts say so): rank 7,
+    # named more often, is not the one the report names (review 69).
+    begun = [fact(1, 7, 1), fact(2, None, 0), fact(3, 7, 1), fact(4, None, 0), fact(5, 7, 1),
+             {**fact(6, 3, 2), "warned": True}]
+    digest = straggler_digest(begun)
+    assert digest["named"] == {"3": 1, "7": 3} and digest["worst"]["rank"] == 3 and digest["worst"]["streak"] == 2
 
 
 def test_the_summary_and_the_report_carry_step_health_and_stragglers():
