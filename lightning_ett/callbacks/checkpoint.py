@@ -455,8 +455,8 @@ class AsyncCheckpoint(Checkpoint):
     def _select_resume_checkpoint(self, trainer: pl.Trainer, began: tuple[str, ...] | None = None) -> str | None:
         """Rank 0 verifies, every rank gets its answer (or its error).
 
-        ``began``: only a checkpoint whose manifest says it was committed by that job in that fit begun
-        from that ``ckpt_path`` (the others are not verified).
+        ``began``: only a checkpoint whose manifest says it was committed by that job, in an earlier process,
+        in a fit begun from that ``ckpt_path`` (the others are not verified).
         """
         answer: tuple[str | None, str | None] = (None, None)
         if trainer.is_global_zero:

@@ -165,10 +165,9 @@ def not_retryable(error: BaseException) -> bool:
 
     Our arguments' checks (:class:`~lightning_ett.durable.errors.ConfigurationError`), a directory a live
     job owns, Lightning's ``MisconfigurationException``, a script that does not compile, and, before training
-    began, an import that fails (a missing package) or, at the first attempt, a ``fit(ckpt_path=...)`` Lightning cannot
-    open. An import
-    that fails later can be a race that a retry mends (two processes building one extension or compile cache), so
-    it is retried.
+    began, an import that fails (a missing package) or, at the job's first attempt, a ``fit(ckpt_path=...)``
+    Lightning cannot open. An import that fails later can be a race that a retry mends (two processes building one
+    extension or compile cache), so it is retried.
     """
     from lightning_ett.durable.errors import ConfigurationError
     from lightning_ett.durable.ownership import DirectoryInUseError
