@@ -251,6 +251,12 @@ def test_the_console_says_a_fits_first_and_last_durable_save_and_verbose_says_ea
     unsaid = re.findall(r"(\d+) more saves durable since the last line; the newest, step (\d+), at",
                         " ".join(failed.stderr.split()))
     assert len(unsaid) == 1 and int(unsaid[0][0]) >= 2 and int(unsaid[0][1]) in (6, 8, 10), failed.stderr[-2000:]
+    # "auto" with a short MTBF saves every few steps; its cadence line comes with the save's line, not at every save
+    auto = run_job(tmp_path, "--max-steps", "60", "--every", "auto", "--mtbf-hours", "0.0002", "--step-sleep", "0.01",
+                   out="a", ckpt="a")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert result(tmp_path, "a")["saves"] >= 5, result(tmp_path, "a")["saves"]  # (8 here; one line each before)
+    assert auto.stderr.count("is durable at") == 2 and auto.stderr.count("every_n_train_steps='auto')") <= 2
     verbose = run_job(tmp_path, "--max-steps", "12", "--every", "2", "--keep", "10", "--verbose", out="v", ckpt="v")
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert [int(line.split(" is durable")[0].split()[-1]) for line in verbose.stderr.splitlines()

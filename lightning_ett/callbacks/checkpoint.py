@@ -789,8 +789,9 @@ class AsyncCheckpoint(Checkpoint):
             kind = ("a rebase on the last full save: every row changed since it (a restore no longer reads the deltas "
                     "before), ")
         now = time.monotonic()
-        if (self.verbose or self._durable_said_at is None or result.step == self._final_step
-                or now - self._durable_said_at >= QUIET_LINE_EVERY_S):
+        said = (self.verbose or self._durable_said_at is None or result.step == self._final_step
+                or now - self._durable_said_at >= QUIET_LINE_EVERY_S)
+        if said:
             since = f"; {self._durable_unsaid} more durable since the last line" if self._durable_unsaid else ""
             rank_zero_info(f"AsyncCheckpoint: step {result.step} is durable at {result.path} ({kind}"
                            f"{result.bytes / 2**20:.1f} MiB; "
@@ -801,7 +802,7 @@ class AsyncCheckpoint(Checkpoint):
         else:
             self._durable_unsaid += 1
         self._newest_durable = (result.step, result.path)
-        if self.auto and decision is not None:
+        if self.auto and decision is not None and said:  # (with the save's line: the cadence is logged at every save)
             self._log_decision(decision)
         for listener in list(self._listeners):
             listener.on_checkpoint_durable(trainer, result.path, result.step)
