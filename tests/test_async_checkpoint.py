@@ -224,6 +224,16 @@ def test_a_tuners_restore_inside_the_fit_leaves_where_the_fit_began_and_a_relaun
     assert f"it resumes from {tmp_path / 'ckpt' / 'step-000000012'}" in " ".join(longer.stderr.split())
 
 
+def test_a_ckpt_path_naming_the_checkpoint_directory_itself_says_which_checkpoint_to_pass(tmp_path):
+    """A new-user trial (helper 70): under DDP it said `IsADirectoryError: [Errno 21] Is a directory`."""
+    assert run_job(tmp_path, "--max-steps", "4", "--every", "4", ckpt="origin").returncode == 0
+    proc = run_job(tmp_path, "--max-steps", "8", "--every", "4", "--ckpt-path", str(tmp_path / "origin"))
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode != 0 and "IncompleteCheckpointError" in said, said[-2000:]
+    newest = str(tmp_path / "origin" / "step-000000004")
+    assert f"It is a directory of checkpoints: pass one of them, e.g. the newest, {newest!r}" in said
+
+
 def test_the_ckpt_path_a_fit_began_from_is_recorded_in_one_spelling(tmp_path, monkeypatch):
     from lightning_ett.callbacks.checkpoint import _as_begun_from
 

@@ -966,6 +966,8 @@ class _DirectoryAwareIO(CheckpointIO):
         if fmt.looks_like_checkpoint(path):
             with record_phase(Phase.CHECKPOINT_LOAD):
                 return fmt.load_unsharded(path)
+        if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and os.path.isdir(path):
+            fmt.require_complete(path)  # a directory is none of Lightning's files: say what it is (and which to pass)
         return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:

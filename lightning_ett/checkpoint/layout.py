@@ -223,8 +223,14 @@ def require_complete(path: str | os.PathLike) -> Path:
         warnings.warn(f"{str(path)!r} is missing (a crash interrupted its replacement); loading the previous copy "
                       f"{str(aside)!r}.", stacklevel=2)
         return aside
+    if not path.exists():
+        raise IncompleteCheckpointError(f"{str(path)!r} does not exist: fit(ckpt_path=...) names no checkpoint.")
     hint = ""
-    if (path / META_FILE).is_file() and not (path / MANIFEST_FILE).exists():
+    newest = newest_complete(path, checksums=False) if path.is_dir() else None
+    if newest is not None:  # the checkpoint directory itself, not one of its checkpoints
+        hint = (f" It is a directory of checkpoints: pass one of them, e.g. the newest, {str(newest)!r} (or no "
+                "ckpt_path: AsyncCheckpoint resumes from the newest complete one in its dirpath).")
+    elif (path / META_FILE).is_file() and not (path / MANIFEST_FILE).exists():
         hint = (" A directory with lightning.pt but no manifest is either unfinished or was written by "
                 "lightning-ett 0.1's trainer.save_checkpoint, which wrote none: if you know it is complete, "
                 f"`python -m lightning_ett.checkpoint.adopt {str(path)!r}` checksums it and writes one.")

@@ -66,8 +66,13 @@ def test_an_explicit_path_must_be_complete_and_the_error_names_the_file(tmp_path
     with pytest.raises(FileNotFoundError, match=f"{str(ckpt)!r} is not a complete checkpoint: lightning.pt has 4 bytes"
                        ) as torn:
         fmt.require_complete(ckpt)
-    with pytest.raises(FileNotFoundError, match="no valid manifest.json") as missing:
+    with pytest.raises(FileNotFoundError, match="'.*nothing-here' does not exist: fit.ckpt_path=.... names no") as missing:
         fmt.require_complete(tmp_path / "nothing-here")
+    # The checkpoint directory itself (a new-user trial: it said "never completed"): the error names the newest one.
+    newest = fake_checkpoint(tmp_path / "dir", 8, 1)
+    with pytest.raises(FileNotFoundError, match=f"a directory of checkpoints: pass one of them, e.g. the newest, "
+                                                f"{str(newest)!r}"):
+        fmt.require_complete(tmp_path / "dir")
     from lightning_ett.launch.worker import not_retryable
 
     assert not_retryable(torn.value) and not_retryable(missing.value)  # the same files fail every attempt: not retried
