@@ -423,6 +423,14 @@ def test_ddp_rank_zero_writes_and_a_restart_resumes_on_every_rank(tmp_path):
     assert str(result(tmp_path, "b")["resumed_from"]).endswith("step-000000008")
     for name, value in result(tmp_path, "ref")["weights"].items():
         torch.testing.assert_close(result(tmp_path, "b")["weights"][name], value, rtol=0, atol=0)
+    # best_model_path on every rank, as Lightning's ModelCheckpoint (a new-user trial: '' on rank 1), and the
+    # checkpoint a fit resumed from when it resumed at its end and saved nothing more.
+    best = [(tmp_path / "b" / f"best_model_path-{r}.txt").read_text() for r in (0, 1)]
+    assert best == [str(tmp_path / "ckpt" / "step-000000012")] * 2, best
+    again = run_job(tmp_path, "--devices", "2", "--max-steps", "12", "--every", "4", out="c")
+    assert again.returncode == 0, again.stderr[-3000:]
+    best = [(tmp_path / "c" / f"best_model_path-{r}.txt").read_text() for r in (0, 1)]
+    assert best == [str(tmp_path / "ckpt" / "step-000000012")] * 2, best
 
 
 def test_staging_reuses_its_buffers_and_copies_every_tensor():

@@ -424,10 +424,12 @@ class AsyncCheckpoint(Checkpoint):
                 self._manifest_fields = {"began": began, "process": _this_process()} if began else {}
                 if self._writer is not None:
                     self._writer.manifest_fields = self._manifest_fields
-                if not checkpoint_path:
-                    checkpoint_path = self._select_resume_checkpoint(trainer)
-                elif began is not None:  # (torchrun, or no launcher: ckpt_path as given, the same on every rank)
-                    checkpoint_path = self._progress_of_this_job(trainer, checkpoint_path, tuple(began)) or checkpoint_path
+                ours = (self._select_resume_checkpoint(trainer) if not checkpoint_path
+                        # (torchrun, or no launcher: ckpt_path as given, the same on every rank)
+                        else self._progress_of_this_job(trainer, checkpoint_path, tuple(began)) if began is not None
+                        else None)
+                if ours is not None:  # (every rank has it: a fit that resumes at its end saves nothing more)
+                    checkpoint_path = self._best_model_path = ours
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
@@ -839,6 +841,8 @@ class AsyncCheckpoint(Checkpoint):
             self._save(trainer, final=True)
         with record_phase(Phase.CHECKPOINT_SAVE, trainer.global_step):
             self._wait_agreed(trainer)  # the job is not done before its last save is durable
+        if trainer.world_size > 1:  # rank 0 saw the commits: every rank's best_model_path, as ModelCheckpoint's is
+            self._best_model_path = trainer.strategy.broadcast(self._best_model_path, src=0)
         self._say_unsaid()
         if self._skipped_this_fit > 1:
             rank_zero_warn(f"AsyncCheckpoint: {self._skipped_this_fit} saves were skipped in this fit: the previous save "

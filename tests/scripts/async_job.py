@@ -167,6 +167,7 @@ def fit_once(args: argparse.Namespace, out: Path, ckpt_dir: Path, interval: dict
     torch.manual_seed(0)
     model = Regression(args.width, args.step_sleep, data_seed=1000 * fit)
     trainer.fit(model, DataLoader(Steps(), batch_size=None), ckpt_path=args.ckpt_path)
+    (out / f"best_model_path-{trainer.global_rank}.txt").write_text(checkpoint.best_model_path)
     if trainer.global_rank != 0:
         return
     torch.save({"weights": {k: v.clone() for k, v in model.state_dict().items()}, "global_step": trainer.global_step,
