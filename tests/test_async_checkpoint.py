@@ -146,7 +146,11 @@ def test_a_restarted_loop_of_fits_each_with_its_own_dirpath_continues_each_fit_f
         return run_script(JOB, "--out", str(tmp_path / name), "--ckpt-dir", str(tmp_path / name / "ckpt"), "--fits", "2",
                           "--dir-per-fit", "--max-steps", "12", "--every", "4", "--ckpt-path", origin, *args, **launched)
 
-    assert loop("whole").returncode == 0
+    whole = loop("whole")
+    assert whole.returncode == 0 and "Give each fit of a loop its own dirpath" not in whole.stderr
+    shared = run_script(JOB, "--out", str(tmp_path / "shared"), "--ckpt-dir", str(tmp_path / "shared" / "ckpt"), "--fits",
+                        "2", "--max-steps", "12", "--every", "4", "--ckpt-path", origin)  # one dirpath for both fits
+    assert shared.returncode == 0 and " ".join(shared.stderr.split()).count("Give each fit of a loop its own dirpath") == 1
     assert loop("killed", "--kill-in-fit", "1", "--kill-at", "10", "--step-sleep", "0.1",
                 "--kill-when-durable").returncode == -9  # fit 1 saved step 8, not 12
     again = loop("killed")

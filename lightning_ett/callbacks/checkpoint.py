@@ -95,6 +95,8 @@ def _this_process() -> str:
 #: Without ``verbose``, the "durable at" lines after a fit's first come at most this often (and at its last save).
 QUIET_LINE_EVERY_S = 600.0
 
+_committed_here: set[str] = set()  # rank 0: the dirpaths this process committed checkpoints to (earlier fits included)
+
 
 class AsyncCheckpoint(Checkpoint):
     r"""Checkpoint without stopping training: snapshot at a step boundary, write in the background.
@@ -417,6 +419,8 @@ class AsyncCheckpoint(Checkpoint):
             fresh = trainer.global_step == 0  # (a later fit on this Trainer without a ckpt_path goes on as is)
             if trainer.state.fn == "fit" and not chosen and (fresh or checkpoint_path):
                 chosen = True
+                if checkpoint_path and trainer.is_global_zero:
+                    self._warn_if_another_line_here(checkpoint_path)
                 job = launched_job()
                 # What every checkpoint of this fit says it began from, and which process wrote it (a second fit in
                 # this process from the same ckpt_path begins from it again: only a later process continues).
@@ -433,6 +437,21 @@ class AsyncCheckpoint(Checkpoint):
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
+
+    def _warn_if_another_line_here(self, ckpt_path: Any) -> None:
+        """A fit that begins from anything but the newest checkpoint of a dirpath an earlier fit of this process wrote
+        to (a loop of fits from one pretrained checkpoint into one dirpath): its checkpoints and the earlier fit's are
+        one line (step names, retention, the newest wins), so a restart of the script may resume one fit from the
+        other's. A fit continuing from the newest (the next stage from the last checkpoint) is that line going on."""
+        if str(self.dirpath) not in _committed_here:
+            return
+        entries = fmt.committed(self.dirpath)
+        if entries and _as_begun_from(entries[-1].path) == _as_begun_from(ckpt_path):
+            return
+        rank_zero_warn(f"AsyncCheckpoint: an earlier fit of this process saved into {str(self.dirpath)!r}, and this fit "
+                       f"begins from another checkpoint ({str(ckpt_path)!r}): the checkpoints of one dirpath are one line "
+                       "(their step names and retention are shared), so after a restart of the script a fit may resume "
+                       "from another's. Give each fit of a loop its own dirpath.")
 
     def _progress_of_this_job(self, trainer: pl.Trainer, ckpt_path: Any, began: tuple[str, ...]) -> str | None:
         """Under ``lightning run``: the newest complete checkpoint this job committed, in an earlier process, in a fit
@@ -752,6 +771,7 @@ class AsyncCheckpoint(Checkpoint):
         if result is None:
             return
         self._best_model_path = str(result.path)
+        _committed_here.add(str(self.dirpath))
         get_timeline().fact(CHECKPOINT_FACT, step=result.step, path=str(result.path), incremental=result.incremental,
                             rebase=result.rebased)
         blocked = result.blocked_s
