@@ -181,6 +181,26 @@ def test_a_fit_from_a_ckpt_path_lightning_cannot_open_is_not_retried(tmp_path, w
     assert not not_retryable(FileNotFoundError("a file the training step reads"))  # elsewhere: retried as before
 
 
+def test_another_runs_lightningcli_config_in_the_log_dir_is_not_retried_and_not_overwritten(tmp_path):
+    """A new-user trial (helper 70): a second LightningCLI job in the same directory failed at SaveConfigCallback,
+    was retried, and its restart (ETTMonitor lets a job's own restart overwrite its config) overwrote the other
+    run's config.yaml."""
+    script = tmp_path / "cli.py"
+    script.write_text("from lightning.pytorch.cli import LightningCLI\n"
+                      "from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel\n"
+                      "LightningCLI(BoringModel, BoringDataModule)\n")
+    args = ("fit", "--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "logs"))
+    first = launch(str(script), *args, run_dir=tmp_path / "a", devices=1, max_restarts=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    config = (tmp_path / "logs" / "config.yaml").read_text()
+    second = launch(str(script), *args, run_dir=tmp_path / "b", devices=1, max_restarts=1)
+    said = second.stderr + second.stdout
+    assert second.returncode != 0 and "gave up after 1 attempt(s)" in said and "not retried" in said, said[-3000:]
+    assert "config.yaml to NOT exist" in said
+    assert (tmp_path / "logs" / "config.yaml").read_text() == config
+
+
 def test_an_unreadable_checkpoint_is_retried_at_a_later_attempt_or_outside_lightnings_load(tmp_path, monkeypatch):
     """Review 69: a restart may resume from a checkpoint the storage does not show yet (NFS, an object store), and a
     user's hook or a save may fail on a file: those are retried as before."""

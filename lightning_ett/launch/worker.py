@@ -166,8 +166,8 @@ def not_retryable(error: BaseException) -> bool:
     Our arguments' checks (:class:`~lightning_ett.durable.errors.ConfigurationError`), a directory a live
     job owns, Lightning's ``MisconfigurationException``, a script that does not compile, and, before training
     began, an import that fails (a missing package) or, at the job's first attempt, a ``fit(ckpt_path=...)``
-    Lightning cannot open. An import that fails later can be a race that a retry mends (two processes building one
-    extension or compile cache), so it is retried.
+    Lightning cannot open or another run's LightningCLI config file in the log dir. An import that fails later
+    can be a race that a retry mends (two processes building one extension or compile cache), so it is retried.
     """
     from lightning_ett.durable.errors import ConfigurationError
     from lightning_ett.durable.ownership import DirectoryInUseError
@@ -178,23 +178,32 @@ def not_retryable(error: BaseException) -> bool:
     if exceptions is not None:
         kinds += (exceptions.MisconfigurationException,)
     trained = get_timeline().exclusive_s.get(Phase.TRAIN.value, 0.0) > 0
-    return any(isinstance(e, kinds) or (not trained and (isinstance(e, ImportError) or _unreadable_ckpt_path(e)))
+    return any(isinstance(e, kinds) or (not trained and (isinstance(e, ImportError) or _refused_by_lightning_at_first_attempt(e)))
                for e in _chain(error))
 
 
-def _unreadable_ckpt_path(error: BaseException) -> bool:
-    """At a job's first attempt, Lightning could not open the checkpoint a fit was to begin from (``fit(ckpt_path=...)``
-    names nothing, or an empty directory): raised where its checkpoint connector loads it (``resume_start``), it fails
-    the same way on every attempt. Not at a later attempt (a checkpoint a restart resumes from may be one the storage
-    does not show yet), nor anywhere else in a restore or a save (a user's hook, a save's file)."""
-    if not isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
-        return False
+#: Where Lightning refuses a job at its start the same way on every attempt: (the errors, the file, the function).
+_LIGHTNING_REFUSALS: tuple[tuple[tuple[type[BaseException], ...], str, str], ...] = (
+    # fit(ckpt_path=...) names nothing Lightning can open (missing, an empty directory): its load of the file
+    ((FileNotFoundError, IsADirectoryError, NotADirectoryError), os.path.join("connectors", "checkpoint_connector.py"),
+     "resume_start"),
+    # LightningCLI's SaveConfigCallback finds another run's config.yaml in the log dir (a later attempt of this job
+    # overwrites its own: ETTMonitor)
+    ((RuntimeError,), os.path.join("lightning", "pytorch", "cli.py"), "setup"),
+)
+
+
+def _refused_by_lightning_at_first_attempt(error: BaseException) -> bool:
+    """At a job's first attempt, one of :data:`_LIGHTNING_REFUSALS`: raised there, it fails the same way on every
+    attempt. Not at a later attempt (a checkpoint a restart resumes from may be one the storage does not show yet),
+    nor the same errors raised elsewhere (a user's hook, a save's file)."""
     if os.environ.get(ENV_ATTEMPT) != "0":
         return False
+    places = [(kinds, where, name) for kinds, where, name in _LIGHTNING_REFUSALS if isinstance(error, kinds)]
     tb = error.__traceback__
-    while tb is not None:
+    while places and tb is not None:
         code = tb.tb_frame.f_code
-        if code.co_name == "resume_start" and code.co_filename.endswith(os.path.join("connectors", "checkpoint_connector.py")):
+        if any(code.co_name == name and code.co_filename.endswith(where) for _, where, name in places):
             return True
         tb = tb.tb_next
     return False
