@@ -207,6 +207,7 @@ def test_an_unreadable_checkpoint_is_retried_at_a_later_attempt_or_outside_light
     from lightning.pytorch import Trainer
     from lightning.pytorch.demos.boring_classes import BoringModel
 
+    from lightning_ett.durable.errors import CHOSEN_CHECKPOINT_ATTR
     from lightning_ett.instrument.environment import ENV_ATTEMPT
     from lightning_ett.launch.worker import not_retryable
 
@@ -225,6 +226,9 @@ def test_an_unreadable_checkpoint_is_retried_at_a_later_attempt_or_outside_light
     monkeypatch.setenv(ENV_ATTEMPT, "0")
     assert not_retryable(error_of(BoringModel(), missing))  # the job's first attempt: fit's own ckpt_path
     assert not not_retryable(error_of(ReadsAFile(), None))  # a file elsewhere in the fit
+    chosen = error_of(BoringModel(), missing)
+    setattr(chosen, CHOSEN_CHECKPOINT_ATTR, True)  # AsyncCheckpoint chose it (rank 0 verified it; this rank's storage
+    assert not not_retryable(chosen)  # may not show it yet): retried
     monkeypatch.setenv(ENV_ATTEMPT, "1")
     assert not not_retryable(error_of(BoringModel(), missing))  # a later attempt: the storage may catch up
 

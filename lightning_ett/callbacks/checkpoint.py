@@ -36,6 +36,7 @@ from lightning_ett.checkpoint.writer import (
 from lightning_ett.durable.commit import remove_stale
 from lightning_ett.durable.errors import (
     ANOTHER_RANKS_ERROR,
+    CHOSEN_CHECKPOINT_ATTR,
     ConfigurationError,
     ConfigurationTypeError,
     check_full_every,
@@ -77,6 +78,12 @@ def _as_begun_from(ckpt_path: Any) -> str:
     if "://" in text:
         return text.rstrip("/")
     return os.path.abspath(os.path.normpath(os.path.expanduser(text)))
+
+
+def _inside(path: Any, directory: Path) -> bool:
+    """Whether a local ``path`` lies in ``directory`` (one of its checkpoints)."""
+    text = str(path)
+    return "://" not in text and Path(os.path.realpath(text)).parent == Path(os.path.realpath(directory))
 
 
 def _this_process() -> str:
@@ -355,8 +362,7 @@ class AsyncCheckpoint(Checkpoint):
                            "tables, so every save is full. Incremental saves need ETTStrategy.")
         self._crashed = False
         self._last_save_time = time.monotonic()
-        self._best_model_path = ""
-        self._last_step_end = self._batch_start = None
+        self._last_step_end = self._batch_start = None  # (best_model_path kept: a later fit may save nothing)
         self._fit_start = time.time()
         if self.mtbf_hours is None and trainer.is_global_zero:
             self._past_failures = _past_failures()
@@ -434,6 +440,14 @@ class AsyncCheckpoint(Checkpoint):
                         else None)
                 if ours is not None:  # (every rank has it: a fit that resumes at its end saves nothing more)
                     checkpoint_path = self._best_model_path = ours
+                elif checkpoint_path and _inside(checkpoint_path, self.dirpath):  # one of ours, named by the user
+                    self._best_model_path = str(checkpoint_path)
+                if ours is not None:
+                    try:
+                        return original(checkpoint_path, weights_only=weights_only)
+                    except OSError as e:  # (a checkpoint rank 0 verified that this rank's storage may not show yet)
+                        setattr(e, CHOSEN_CHECKPOINT_ATTR, True)
+                        raise
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
@@ -443,10 +457,13 @@ class AsyncCheckpoint(Checkpoint):
         to (a loop of fits from one pretrained checkpoint into one dirpath): its checkpoints and the earlier fit's are
         one line (step names, retention, the newest wins), so a restart of the script may resume one fit from the
         other's. A fit continuing from the newest (the next stage from the last checkpoint) is that line going on."""
-        if str(self.dirpath) not in _committed_here:
+        if str(self.dirpath) not in _committed_here or "://" in str(ckpt_path):
             return
-        entries = fmt.committed(self.dirpath)
-        if entries and _as_begun_from(entries[-1].path) == _as_begun_from(ckpt_path):
+        try:
+            entries = fmt.committed(self.dirpath)
+        except OSError:  # (rank 0 alone: no error here may keep it from the broadcast the other ranks wait in)
+            return
+        if entries and os.path.realpath(entries[-1].path) == os.path.realpath(ckpt_path):
             return
         rank_zero_warn(f"AsyncCheckpoint: an earlier fit of this process saved into {str(self.dirpath)!r}, and this fit "
                        f"begins from another checkpoint ({str(ckpt_path)!r}): the checkpoints of one dirpath are one line "
@@ -990,9 +1007,10 @@ class _DirectoryAwareIO(CheckpointIO):
         if fmt.looks_like_checkpoint(path):
             with record_phase(Phase.CHECKPOINT_LOAD):
                 return fmt.load_unsharded(path)
-        if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and os.path.isdir(path):
-            fmt.require_complete(path)  # a directory is none of Lightning's files: say what it is (and which to pass)
-        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        try:
+            return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        except IsADirectoryError as e:  # (a directory another CheckpointIO reads is its own business)
+            raise IsADirectoryError(e.errno, fmt.not_a_checkpoint(path)) from e  # say what it is, and which to pass
 
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)

@@ -223,18 +223,25 @@ def require_complete(path: str | os.PathLike) -> Path:
         warnings.warn(f"{str(path)!r} is missing (a crash interrupted its replacement); loading the previous copy "
                       f"{str(aside)!r}.", stacklevel=2)
         return aside
+    raise IncompleteCheckpointError(not_a_checkpoint(path))
+
+
+def not_a_checkpoint(path: str | os.PathLike) -> str:
+    """Why ``path`` is no complete checkpoint to load, naming the file, and what to pass instead."""
+    path = Path(path)
     if not path.exists():
-        raise IncompleteCheckpointError(f"{str(path)!r} does not exist: fit(ckpt_path=...) names no checkpoint.")
+        return f"{str(path)!r} does not exist: the ckpt_path names no checkpoint."
+    problem = verify(path, checksums=False) or "not one this format writes"
     hint = ""
-    newest = newest_complete(path, checksums=False) if path.is_dir() else None
-    if newest is not None:  # the checkpoint directory itself, not one of its checkpoints
-        hint = (f" It is a directory of checkpoints: pass one of them, e.g. the newest, {str(newest)!r} (or no "
+    entries = committed(path) if path.is_dir() else []
+    if entries:  # the checkpoint directory itself, not one of its checkpoints (unverified here: no warnings)
+        hint = (f" It is a directory of checkpoints: pass one of them, e.g. the newest, {str(entries[-1].path)!r} (or no "
                 "ckpt_path: AsyncCheckpoint resumes from the newest complete one in its dirpath).")
     elif (path / META_FILE).is_file() and not (path / MANIFEST_FILE).exists():
         hint = (" A directory with lightning.pt but no manifest is either unfinished or was written by "
                 "lightning-ett 0.1's trainer.save_checkpoint, which wrote none: if you know it is complete, "
                 f"`python -m lightning_ett.checkpoint.adopt {str(path)!r}` checksums it and writes one.")
-    raise IncompleteCheckpointError(f"{str(path)!r} is not a complete checkpoint: {problem}.{hint}")
+    return f"{str(path)!r} is not a complete checkpoint: {problem}.{hint}"
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -106,3 +106,8 @@ def check_full_every(owner: str, name: str, value: object, switch: str, switched
 
 class ConfigurationTypeError(ConfigurationError, TypeError):
     """A :class:`ConfigurationError` about an argument's type (still a ``TypeError`` to those who catch one)."""
+
+
+#: Set on an error by a component that chose the checkpoint being loaded (AsyncCheckpoint's resume): not the user's
+#: ``ckpt_path``, so the launcher retries it (another node's storage may not show it yet).
+CHOSEN_CHECKPOINT_ATTR = "lightning_ett_chosen_checkpoint"

@@ -182,28 +182,31 @@ def not_retryable(error: BaseException) -> bool:
                for e in _chain(error))
 
 
-#: Where Lightning refuses a job at its start the same way on every attempt: (the errors, the file, the function).
-_LIGHTNING_REFUSALS: tuple[tuple[tuple[type[BaseException], ...], str, str], ...] = (
+#: Where Lightning refuses a job at its start the same way on every attempt: (the errors, the file, the function, a
+#: phrase its message holds).
+_LIGHTNING_REFUSALS: tuple[tuple[tuple[type[BaseException], ...], str, str, str], ...] = (
     # fit(ckpt_path=...) names nothing Lightning can open (missing, an empty directory): its load of the file
     ((FileNotFoundError, IsADirectoryError, NotADirectoryError), os.path.join("connectors", "checkpoint_connector.py"),
-     "resume_start"),
+     "resume_start", ""),
     # LightningCLI's SaveConfigCallback finds another run's config.yaml in the log dir (a later attempt of this job
-    # overwrites its own: ETTMonitor)
-    ((RuntimeError,), os.path.join("lightning", "pytorch", "cli.py"), "setup"),
+    # overwrites its own: ETTMonitor); its setup also makes collectives, whose errors (a peer gone) are RuntimeErrors
+    ((RuntimeError,), os.path.join("lightning", "pytorch", "cli.py"), "setup", "to NOT exist. Aborting to avoid"),
 )
-
 
 def _refused_by_lightning_at_first_attempt(error: BaseException) -> bool:
     """At a job's first attempt, one of :data:`_LIGHTNING_REFUSALS`: raised there, it fails the same way on every
     attempt. Not at a later attempt (a checkpoint a restart resumes from may be one the storage does not show yet),
-    nor the same errors raised elsewhere (a user's hook, a save's file)."""
-    if os.environ.get(ENV_ATTEMPT) != "0":
+    nor the same errors raised elsewhere (a user's hook, a save's file), nor a load of a checkpoint the pack chose."""
+    from lightning_ett.durable.errors import CHOSEN_CHECKPOINT_ATTR
+
+    if os.environ.get(ENV_ATTEMPT) != "0" or getattr(error, CHOSEN_CHECKPOINT_ATTR, False):
         return False
-    places = [(kinds, where, name) for kinds, where, name in _LIGHTNING_REFUSALS if isinstance(error, kinds)]
+    places = [(where, name) for kinds, where, name, phrase in _LIGHTNING_REFUSALS
+              if isinstance(error, kinds) and phrase in str(error)]
     tb = error.__traceback__
     while places and tb is not None:
         code = tb.tb_frame.f_code
-        if any(code.co_name == name and code.co_filename.endswith(where) for _, where, name in places):
+        if any(code.co_name == name and code.co_filename.endswith(where) for where, name in places):
             return True
         tb = tb.tb_next
     return False

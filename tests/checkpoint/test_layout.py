@@ -66,7 +66,7 @@ def test_an_explicit_path_must_be_complete_and_the_error_names_the_file(tmp_path
     with pytest.raises(FileNotFoundError, match=f"{str(ckpt)!r} is not a complete checkpoint: lightning.pt has 4 bytes"
                        ) as torn:
         fmt.require_complete(ckpt)
-    with pytest.raises(FileNotFoundError, match="'.*nothing-here' does not exist: fit.ckpt_path=.... names no") as missing:
+    with pytest.raises(FileNotFoundError, match="'.*nothing-here' does not exist: the ckpt_path names no checkpoint") as missing:
         fmt.require_complete(tmp_path / "nothing-here")
     # The checkpoint directory itself (a new-user trial: it said "never completed"): the error names the newest one.
     newest = fake_checkpoint(tmp_path / "dir", 8, 1)
