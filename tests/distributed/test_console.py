@@ -23,6 +23,7 @@ def example_config(tmp_path: Path, steps: int, save_every: int) -> Path:
         if callback["class_path"].endswith("AsyncCheckpoint"):
             callback["init_args"]["every_n_train_steps"] = save_every
             callback["init_args"]["when_busy"] = "wait"  # every save happens, however slow the disk (not 'skip')
+            callback["init_args"]["verbose"] = True  # a line per save (the default says a fit's first and last)
     path = tmp_path / "dlrm.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
