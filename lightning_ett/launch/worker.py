@@ -193,6 +193,7 @@ _LIGHTNING_REFUSALS: tuple[tuple[tuple[type[BaseException], ...], str, str, str]
     ((RuntimeError,), os.path.join("lightning", "pytorch", "cli.py"), "setup", "to NOT exist. Aborting to avoid"),
 )
 
+
 def _refused_by_lightning_at_first_attempt(error: BaseException) -> bool:
     """At a job's first attempt, one of :data:`_LIGHTNING_REFUSALS`: raised there, it fails the same way on every
     attempt. Not at a later attempt (a checkpoint a restart resumes from may be one the storage does not show yet),
