@@ -439,15 +439,14 @@ class AsyncCheckpoint(Checkpoint):
                         else self._progress_of_this_job(trainer, checkpoint_path, tuple(began)) if began is not None
                         else None)
                 if ours is not None:  # (every rank has it: a fit that resumes at its end saves nothing more)
-                    checkpoint_path = self._best_model_path = ours
-                elif checkpoint_path and _inside(checkpoint_path, self.dirpath):  # one of ours, named by the user
-                    self._best_model_path = str(checkpoint_path)
-                if ours is not None:
+                    self._best_model_path = ours
                     try:
-                        return original(checkpoint_path, weights_only=weights_only)
+                        return original(ours, weights_only=weights_only)
                     except OSError as e:  # (a checkpoint rank 0 verified that this rank's storage may not show yet)
                         setattr(e, CHOSEN_CHECKPOINT_ATTR, True)
                         raise
+                if checkpoint_path and _inside(checkpoint_path, self.dirpath):  # one of ours, named by the user
+                    self._best_model_path = str(checkpoint_path)
             original(checkpoint_path, weights_only=weights_only)
 
         self._patches.setattr(connector, "resume_start", resume_start)
