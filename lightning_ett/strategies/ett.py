@@ -44,6 +44,7 @@ from lightning_ett.instrument.quiet import hide_upstream_deprecations
 from lightning_ett.instrument.timeline import SPARSE_2D_FACT, Phase, get_timeline, record_phase
 from lightning_ett.patching import Patches
 from lightning_ett.strategies import sigterm
+from lightning_ett.strategies.gc_freeze import StartupObjectsFrozen
 from lightning_ett.strategies.plan_cache import (
     SHARDING_TYPES,
     PlanCache,
@@ -139,6 +140,10 @@ class ETTStrategy(ParallelStrategy):
         pipeline: start the next training batch's sparse input distribution (its KJT all-to-all) while
             this batch trains, as TorchRec's ``TrainPipelineSparseDist`` does (see
             :mod:`lightning_ett.strategies.input_pipeline`); ``False`` keeps the plain schedule.
+        gc_freeze: before a fit's first step, collect Python's garbage once on every rank and freeze the
+            survivors, so that no full collection of start-up's objects pauses a rank mid-training (see
+            :mod:`lightning_ett.strategies.gc_freeze`); unfrozen when the fit ends. ``False`` leaves the
+            collector alone.
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class ETTStrategy(ParallelStrategy):
         replica_sync_every_n_steps: int = 1,
         replica_lr_scale: float | str = 1.0,
         pipeline: bool = True,
+        gc_freeze: bool = True,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         hide_upstream_deprecations()
@@ -176,6 +182,8 @@ class ETTStrategy(ParallelStrategy):
                 f"ETTStrategy(fused_optimizer={fused_optimizer!r}): expected one of {sorted(FUSED_OPTIMIZERS)}.")
         if not isinstance(pipeline, bool):
             raise ConfigurationError(f"ETTStrategy(pipeline={pipeline!r}): expected True or False.")
+        if not isinstance(gc_freeze, bool):
+            raise ConfigurationError(f"ETTStrategy(gc_freeze={gc_freeze!r}): expected True or False.")
         if not isinstance(planner_batch_size, int) or planner_batch_size < 1:
             raise ConfigurationError(f"ETTStrategy(planner_batch_size={planner_batch_size!r}): expected an int >= 1.")
         self.sharding_type = sharding_type
@@ -206,6 +214,7 @@ class ETTStrategy(ParallelStrategy):
         self.replica_sync: ReplicaSync | None = None
         self.pipeline = pipeline
         self.input_pipeline: Any = None  # a SparseInputPipeline while fitting (and after, for its counts)
+        self.gc_freeze = StartupObjectsFrozen() if gc_freeze else None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -723,6 +732,8 @@ class ETTStrategy(ParallelStrategy):
             else:
                 self.input_pipeline = SparseInputPipeline(self._dmp, self.root_device, self._all_ranks_agree)
                 self.input_pipeline.attach(self.lightning_module.trainer)
+        if self.gc_freeze is not None:  # last: start-up is over (every rank reaches this before its first step)
+            self.gc_freeze.freeze()
 
     def _all_ranks_agree(self, flags: list[bool]) -> list[bool]:
         """Each flag AND-ed over all ranks (a MIN all-reduce on the device the process group serves)."""
@@ -744,6 +755,8 @@ class ETTStrategy(ParallelStrategy):
         if self._sigterm is not None:
             self._sigterm.flush()  # no asynchronous broadcast left outstanding
         self._patches.undo()
+        if self.gc_freeze is not None:
+            self.gc_freeze.unfreeze()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -752,10 +765,14 @@ class ETTStrategy(ParallelStrategy):
         if self._sigterm is not None:
             self._sigterm.flush()
         self._patches.undo()
+        if self.gc_freeze is not None:
+            self.gc_freeze.unfreeze()
 
     @override
     def teardown(self) -> None:
         # Unlike Strategy.teardown, leave the model where it is: sharded TorchRec modules do not move.
+        if self.gc_freeze is not None:
+            self.gc_freeze.unfreeze()  # (a fit ended by on_train_end or on_exception is unfrozen already)
         if self.lightning_module is not None:
             self.model = self.lightning_module
         self.precision_plugin.teardown()
