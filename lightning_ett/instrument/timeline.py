@@ -76,6 +76,7 @@ PUBLISH_ERROR_FACT = "publish_error"  # a publish that failed
 STRAGGLER_FACT = "straggler"  # one window of the straggler diagnosis (lightning_ett.watch.stragglers)
 BATCH_FACT = "batch"  # ETTMonitor: samples in this rank's first training batch of the attempt (throughput's unit)
 FP8_FACT = "fp8_probe"  # FP8Probe's verdict: how many layers (and GEMM FLOPs) can run in FP8 (rank 0, end of fit)
+GC_FREEZE_FACT = "gc_freeze"  # ETTStrategy froze start-up's objects: how many, and the collection before it (every rank)
 SPARSE_2D_FACT = "sparse_2d"  # ETTStrategy's 2D layout and what its replica syncs cost (rank 0, at the end of fit)
 
 

@@ -141,9 +141,9 @@ class ETTStrategy(ParallelStrategy):
             this batch trains, as TorchRec's ``TrainPipelineSparseDist`` does (see
             :mod:`lightning_ett.strategies.input_pipeline`); ``False`` keeps the plain schedule.
         gc_freeze: before a fit's first step, collect Python's garbage once on every rank and freeze the
-            survivors, so that no full collection of start-up's objects pauses a rank mid-training (see
-            :mod:`lightning_ett.strategies.gc_freeze`); unfrozen when the fit ends. ``False`` leaves the
-            collector alone.
+            survivors, so that no collection during training traverses start-up's objects (see
+            :mod:`lightning_ett.strategies.gc_freeze`); unfrozen when the fit ends. A freeze already in
+            place is left alone; ``False`` leaves the collector alone.
     """
 
     def __init__(
@@ -742,6 +742,13 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        try:
+            self._end_of_training()
+        finally:
+            if self.gc_freeze is not None:
+                self.gc_freeze.unfreeze()
+
+    def _end_of_training(self) -> None:
         if self.input_pipeline is not None:  # wait for a batch prepared past the last step; forwards back for eval
             self.input_pipeline.detach()  # kept: its counts describe the fit that ended
         self.sync_replicas()  # 2D: what fit leaves behind (eval, predict, a final save) is one model
@@ -755,18 +762,16 @@ class ETTStrategy(ParallelStrategy):
         if self._sigterm is not None:
             self._sigterm.flush()  # no asynchronous broadcast left outstanding
         self._patches.undo()
-        if self.gc_freeze is not None:
-            self.gc_freeze.unfreeze()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self.gc_freeze is not None:  # first: the flush below waits on peers and may raise
+            self.gc_freeze.unfreeze()
         if self.input_pipeline is not None:  # no waiting on peers that may be gone: only the forwards go back
             self.input_pipeline.release()
         if self._sigterm is not None:
             self._sigterm.flush()
         self._patches.undo()
-        if self.gc_freeze is not None:
-            self.gc_freeze.unfreeze()
 
     @override
     def teardown(self) -> None:

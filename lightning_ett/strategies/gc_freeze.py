@@ -1,48 +1,64 @@
-"""Python's cyclic garbage collector kept off the training steps (ETTStrategy's ``gc_freeze``, on by default).
+"""Start-up's Python objects kept out of the garbage collector's way during training (ETTStrategy's ``gc_freeze``).
 
 Why: a full (oldest-generation) collection traverses every object the process tracks. After a
 Lightning + TorchRec start-up that is ~400,000 objects, ~0.2 s on a 2-core CPU host, and CPython runs
 the first one a few hundred steps into training, at its own moment on each rank; the other ranks
-wait for it in their next collective, so every rank's pause stalls the whole job. Measured in
-``benchmarks/throughput_vs_dmp.py``'s 200-step window it was 6-12 % of the window's time (#33).
+wait for it in their next collective, so every rank's pause stalls the whole job. In
+``benchmarks/throughput_vs_dmp.py``'s 200-step window that pause fell in ETTStrategy's arm and not in
+TorchRec's loops' (#33, ``benchmarks/README.md``).
 
-So, before the first step of a fit, every rank collects once (start-up's garbage, freed before
+So, before the first step of a fit, every rank collects once (start-up's garbage is freed before
 training rather than during it) and moves the survivors to CPython's permanent generation
-(:func:`gc.freeze`): later collections traverse only what training allocates. When the fit ends
-(or fails) they are unfrozen, so the rest of the program, or a later fit, collects them again.
-Automatic collection stays on: garbage made during training is collected as usual.
+(:func:`gc.freeze`): no later collection traverses them. What training allocates (compiled graphs,
+optimizer state made at the first step, per-batch objects) is collected as usual, automatic
+collection stays on, and the objects are unfrozen when the fit ends or fails, so the rest of the
+program collects them again.
+
+Frozen objects are still freed by reference counting. A reference cycle that includes a frozen
+object (also one joined by an object made during training) is not collected until the unfreeze.
+:func:`gc.freeze` is process-wide, so a freeze already in place (the program's own, say before
+forking workers, or an outer fit's) is left alone and not undone here.
 
 Not Megatron-LM's ``--manual-gc`` or torchtitan's ``gc_freq`` (automatic collection off, a
-collection every N steps on all ranks): that needs a cadence to choose, and garbage that reaches
-the oldest generation is then not collected until the next manual full collection. Frozen
-objects are still freed by reference counting; only reference cycles among them wait for the
-unfreeze. :func:`gc.freeze` is process-wide: a program that freezes objects itself would see them
-unfrozen at the end of the fit (``ETTStrategy(gc_freeze=False)`` leaves the collector alone).
+collection every N steps on all ranks): that needs a cadence to choose, and garbage in the
+oldest generation then waits for the next manual full collection.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 
-from lightning_ett.instrument.timeline import Phase, record_phase
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_ett.instrument.timeline import GC_FREEZE_FACT, Phase, get_timeline, record_phase
 
 
 class StartupObjectsFrozen:
-    """Collect and freeze at a fit's start, unfreeze at its end; idempotent at both ends."""
+    """Collect and freeze at a fit's start, unfreeze at its end: only a freeze made here is undone here."""
 
     def __init__(self) -> None:
-        self.frozen = 0  #: objects frozen at the last start (``gc.get_freeze_count()``), 0 when unfrozen
+        self.owns_freeze = False  #: this object froze, and has not unfrozen yet
+        self.frozen = 0  #: objects frozen at the last freeze made here
 
     def freeze(self) -> None:
         """Every rank, before the fit's first step. Recorded as ``other`` overhead on the ETT timeline."""
-        if self.frozen:
+        if self.owns_freeze:
             return
+        if gc.get_freeze_count():
+            rank_zero_info(f"ETTStrategy(gc_freeze=True): {gc.get_freeze_count()} objects are frozen already "
+                           "(gc.freeze); the collector is left as it is.")
+            return
+        start = time.perf_counter()
         with record_phase(Phase.OTHER):
+            self.owns_freeze = True  # before the freeze: an interrupt right after it still finds it owned
             gc.collect()
             gc.freeze()
         self.frozen = gc.get_freeze_count()
+        get_timeline().fact(GC_FREEZE_FACT, objects=self.frozen, seconds=round(time.perf_counter() - start, 4))
 
     def unfreeze(self) -> None:
-        if self.frozen:
+        """Cannot raise; idempotent."""
+        if self.owns_freeze:
+            self.owns_freeze = False
             gc.unfreeze()
-            self.frozen = 0

@@ -17,6 +17,7 @@ import torch
 from conftest import SCRIPTS, launch
 
 from lightning_ett.instrument.ledger import read_ledger
+from lightning_ett.instrument.timeline import GC_FREEZE_FACT
 
 JOB = str(SCRIPTS / "pipeline_job.py")
 STEPS = 50
@@ -65,6 +66,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
              for on in (False, True)]
     plan += [{"name": f"inplace_ids-{'piped' if on else 'plain'}", "pipeline": on, "steps": 8, "variant": "inplace_ids",
               "expect_error": True} for on in (False, True)]
+    plan += [{"name": "gc_off-piped", "pipeline": True, "steps": 12, "gc_freeze": False}]
     proc = launch(JOB, "--out", str(out), "--fits", json.dumps(plan), run_dir=out / "run", timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "log").write_text(proc.stdout + proc.stderr)
@@ -193,3 +195,24 @@ def test_2d_pipelined_training_equals_the_plain_schedule(fits_2d, kind):
     assert_same_training(plain, piped)
     for facts in piped:
         assert facts["pipelined_calls"] == pipelined_in(20)
+
+
+def test_start_up_objects_are_frozen_while_training_and_unfrozen_when_the_fit_ends(fits):
+    """ETTStrategy(gc_freeze=True), the default, in every fit of this module (its fits run here for their number):
+    start-up's objects frozen at every training batch, unfrozen by on_train_end, or by on_exception in a fit that
+    failed in training (inplace_ids-piped), before teardown's backstop."""
+    names = [d.name for d in fits.iterdir() if (d / "rank0.pt").exists()]
+    assert len(names) > 30 and "inplace_ids-piped" in names
+    for name in names:
+        for facts in load(fits, name):
+            assert facts["frozen_at_teardown"] == 0 and facts["frozen_after"] == 0, name
+            if name == "gc_off-piped":
+                assert facts["frozen_in_training"] == (0, 0)  # the collector left alone
+            elif facts["losses"]:  # (a fit refused before its first batch never reaches the hook)
+                fewest, _ = facts["frozen_in_training"]  # (frozen objects freed by reference counting leave the count)
+                assert fewest > 50_000, name  # at every batch; Lightning + TorchRec: ~400k objects
+    # in the ledger (bound at the first fit with ETTMonitor, callbacks-plain): each later fit's freeze, every rank
+    for ledger in read_ledger(fits / "run"):
+        frozen = [f for f in ledger.facts if f["name"] == GC_FREEZE_FACT]
+        assert len(frozen) >= 4 and all(f["objects"] > 50_000 and 0 < f["seconds"] < 30 for f in frozen), ledger.rank
+

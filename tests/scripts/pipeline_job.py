@@ -15,7 +15,9 @@ dense features by the global step), ``"inplace_ids"`` (``training_step`` folds t
 ``"rank1_rebuilds"`` (rank 1's forward hands the tables a KJT it builds, rank 0 the batch's) or
 ``"stateful_sized"`` (the finite loader with a ``state_dict``) or ``"position_weighted"`` (the tables in a
 FeatureProcessedEmbeddingBagCollection); ``"none_at"``: the stream yields None
-there; ``"expect_error"``: a ConfigurationError is recorded, not raised.
+there; ``"expect_error"``: a ConfigurationError is recorded, not raised; ``"gc_freeze"``: ETTStrategy's (default
+True). Each fit also records how many objects ``gc.freeze`` held at its training batches (fewest, most), when
+the strategy's ``teardown`` began, and after the fit.
 
 The unsized loader is stateful: its state is the number of batches the loop has processed, so a fit
 resumed from a checkpoint reads the batches an uninterrupted one read after that point. Each fit writes
@@ -25,6 +27,7 @@ OUT/<name>/rank<r>.pt: losses, every tensor this rank holds at the end, and the 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -217,12 +220,34 @@ class SaveAt(Callback):
             trainer.save_checkpoint(self.path)
 
 
+class FrozenSeen(Callback):
+    """``gc.get_freeze_count()`` at each training batch: the fewest and the most seen."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.counts.append(gc.get_freeze_count())
+
+
+class FreezeAtTeardown(ETTStrategy):
+    """``gc.get_freeze_count()`` when ``teardown`` begins: after ``on_train_end`` or ``on_exception``, which must
+    have unfrozen already (``teardown``'s own unfreeze is only a backstop)."""
+
+    at_teardown: int | None = None
+
+    def teardown(self) -> None:
+        self.at_teardown = gc.get_freeze_count()
+        super().teardown()
+
+
 def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
     seed_everything(0, workers=False, verbose=False)
-    strategy = ETTStrategy(sharding_type=spec.get("sharding_type", "table_wise"), sharding_group_size=spec.get("k"),
+    strategy = FreezeAtTeardown(sharding_type=spec.get("sharding_type", "table_wise"), sharding_group_size=spec.get("k"),
                            fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": 0.05},
-                           pipeline=spec["pipeline"])
-    callbacks: list[Callback] = []
+                           pipeline=spec["pipeline"], gc_freeze=spec.get("gc_freeze", True))
+    frozen = FrozenSeen()
+    callbacks: list[Callback] = [frozen]
     if spec.get("save_at") is not None:
         callbacks.append(SaveAt(spec["save_at"], out / spec["name"] / "ckpt"))
     if spec.get("callbacks"):
@@ -267,6 +292,8 @@ def run_fit(spec: dict[str, Any], out: Path, devices: int) -> None:
         "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0,
         "prepared_batches": pipeline.prepared_batches if pipeline is not None else 0,
         "off_reason": pipeline.off_reason if pipeline is not None else None, "error": error,
+        "frozen_in_training": (min(frozen.counts), max(frozen.counts)) if frozen.counts else None,
+        "frozen_at_teardown": strategy.at_teardown, "frozen_after": gc.get_freeze_count(),
     }
     (out / spec["name"]).mkdir(parents=True, exist_ok=True)
     torch.save(facts, out / spec["name"] / f"rank{rank}.pt")
