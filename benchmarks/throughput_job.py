@@ -15,7 +15,9 @@ table-wise sharding, row-wise Adagrad fused into backward for the tables and Ada
 Rank 0 writes the time per step to OUT: the total time over the steps after the warm-up divided by
 their number (so periodic costs count), and the median step for reference. With ``--phases`` it adds
 where that time went (:class:`PhaseClock`); ``--no-log`` and ``--no-monitor`` (Lightning arms) drop the
-``self.log`` call and ETTMonitor, to size what each costs (``throughput_phases.py``).
+``self.log`` call and ETTMonitor, to size what each costs (``throughput_phases.py``). ``--gc-log`` adds each
+rank-0 collection by Python's cyclic garbage collector during the timed steps (generation, step, ms), and
+``--no-gc-freeze`` runs ETTStrategy with ``gc_freeze=False`` (``throughput_gc.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.dlrm_example import DLRMModule, RandomCriteoDataModule
 
 LR = 0.05
+
+
+class GcLog:
+    """Python's garbage collections (``gc.callbacks``): generation, start (``perf_counter``) and milliseconds each."""
+
+    def __init__(self, on: bool) -> None:
+        self.collections: list[tuple[int, float, float]] = []
+        self._start = 0.0
+        if on:
+            import gc
+
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.collections.append((info["generation"], self._start, 1000 * (time.perf_counter() - self._start)))
+
+    def during(self, stamps: list[float], warmup: int) -> list[tuple[int, int, float]]:
+        """Collections within the timed steps: (generation, the step it fell in, ms)."""
+        import bisect
+
+        timed = stamps[warmup:]
+        return [(gen, bisect.bisect(stamps, start), ms) for gen, start, ms in self.collections
+                if timed and timed[0] <= start <= timed[-1]]
 
 
 def step_times(stamps: list[float], warmup: int) -> dict[str, float]:
@@ -133,7 +161,7 @@ class PhaseClock:
 
 def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = None, pipeline: bool = True,
                   device: str = "cpu", ranks: int = 2, phases: bool = False, log: bool = True,
-                  monitor: bool = True) -> None:
+                  monitor: bool = True, gc_log: bool = False, gc_freeze: bool = True) -> None:
     import tempfile
 
     from lightning.pytorch import Callback, Trainer
@@ -144,6 +172,7 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
     clock = PhaseClock()
     if phases:
         clock.lightning()
+    collections = GcLog(gc_log)
 
     class StepClock(Callback):
         stamps: ClassVar[list[float]] = []
@@ -164,7 +193,7 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
 
     step_clock = StepClock()
     strategy = ETTStrategy(sharding_type="table_wise", fused_optimizer="row_wise_adagrad", fused_optimizer_kwargs={"lr": LR},
-                           pipeline=pipeline)
+                           pipeline=pipeline, gc_freeze=gc_freeze)
     with tempfile.TemporaryDirectory() as run_dir:
         callbacks = [step_clock] + ([ETTMonitor(run_dir=run_dir, report_on_end=False)] if monitor else [])
         trainer = Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=ranks, strategy=strategy,
@@ -176,11 +205,12 @@ def lightning_run(steps: int, warmup: int, out: Path, profile: Path | None = Non
         pipeline = strategy.input_pipeline
         out.write_text(json.dumps({**step_times(step_clock.stamps, warmup),
                                    "pipelined_calls": pipeline.pipelined_calls if pipeline is not None else 0,
+                                   **({"gc": collections.during(step_clock.stamps, warmup)} if gc_log else {}),
                                    **({"phases": clock.per_step(steps - warmup - 1)} if phases else {})}))
 
 
 def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: str, profile: Path | None,
-               device_type: str = "cpu", ranks: int = 2, phases: bool = False) -> None:
+               device_type: str = "cpu", ranks: int = 2, phases: bool = False, gc_log: bool = False) -> None:
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -211,6 +241,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
     # Through a DataLoader, as the Lightning arm and any real training loop read data.
     data = iter(torch.utils.data.DataLoader(RandomCriteoDataModule(batch_size=512)._dataset(steps + 2, rank), batch_size=None))
     stamps: list[float] = []
+    collections = GcLog(gc_log)
     profiler = Profiler(profile if rank == 0 else None)
     clock = PhaseClock()
     if phases and loop != "dmp":
@@ -246,6 +277,7 @@ def dmp_worker(rank: int, steps: int, warmup: int, out: Path, port: int, loop: s
     profiler.stop()
     if rank == 0:
         out.write_text(json.dumps({**step_times(stamps, warmup),
+                                   **({"gc": collections.during(stamps, warmup)} if gc_log else {}),
                                    **({"phases": clock.per_step(steps - warmup - 1)} if phases else {})}))
     dist.barrier()
     dist.destroy_process_group()
@@ -263,18 +295,21 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="rank 0 adds the time per step in each phase to OUT")
     p.add_argument("--no-log", action="store_true", help="Lightning arms: training_step without self.log")
     p.add_argument("--no-monitor", action="store_true", help="Lightning arms: without ETTMonitor")
+    p.add_argument("--gc-log", action="store_true", help="rank 0 adds its garbage collections during the timed steps")
+    p.add_argument("--no-gc-freeze", action="store_true", help="Lightning arms: ETTStrategy(gc_freeze=False)")
     args = p.parse_args()
     if args.mode.startswith("lightning"):
         lightning_run(args.steps, args.warmup, Path(args.out), Path(args.profile) if args.profile else None,
                       pipeline=args.mode == "lightning", device=args.device, ranks=args.ranks, phases=args.phases,
-                      log=not args.no_log, monitor=not args.no_monitor)
+                      log=not args.no_log, monitor=not args.no_monitor, gc_log=args.gc_log,
+                      gc_freeze=not args.no_gc_freeze)
     else:
         import torch.multiprocessing as mp
         from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
         profile = Path(args.profile) if args.profile else None
         mp.spawn(dmp_worker, args=(args.steps, args.warmup, Path(args.out), find_free_network_port(), args.mode,
-                                   profile, args.device, args.ranks, args.phases), nprocs=args.ranks)
+                                   profile, args.device, args.ranks, args.phases, args.gc_log), nprocs=args.ranks)
 
 
 if __name__ == "__main__":
