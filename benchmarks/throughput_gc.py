@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.spread import aa_floor, median_range, round_order
-from benchmarks.throughput_vs_dmp import job_result
+from benchmarks.spread import aa_floor, median_range
+from benchmarks.throughput_vs_dmp import rounds_of
 
 ARMS: dict[str, tuple[str, ...]] = {
     "lightning": (),
@@ -48,17 +47,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            order = round_order(list(ARMS), r)
-            for arm in order:
-                out = Path(tmp) / f"{arm.replace(' ', '_').replace('/', '_')}{r}.json"
-                results[arm].append(job_result(arm, out, args.steps, ("--gc-log", *ARMS[arm])))
-            print(f"round {r} ({' -> '.join(order)}):", flush=True)
-            for arm in ARMS:
-                run = results[arm][-1]
-                print(f"  {arm}: {1 / run['step_s']:.1f} steps/s; {collections(run)}", flush=True)
+    results: dict[str, list[dict]] = {}
+    for r, order, results in rounds_of(ARMS, args.rounds, args.steps, ("--gc-log",)):
+        print(f"round {r} ({' -> '.join(order)}):", flush=True)
+        for arm in ARMS:
+            run = results[arm][-1]
+            print(f"  {arm}: {1 / run['step_s']:.1f} steps/s; {collections(run)}", flush=True)
     off = results["lightning --no-gc-freeze"]
     ratio = [o["step_s"] / on["step_s"] for on, o in zip(results["lightning"], off, strict=True)]
     aa = [o["step_s"] / a["step_s"] for o, a in zip(off, results["lightning --no-gc-freeze A/A"], strict=True)]

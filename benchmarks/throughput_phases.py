@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.spread import aa_floor, median_range, round_order
-from benchmarks.throughput_vs_dmp import job_result
+from benchmarks.spread import aa_floor, median_range
+from benchmarks.throughput_vs_dmp import rounds_of
 
 ARMS: dict[str, tuple[str, ...]] = {
     "pipeline": (),
@@ -42,18 +41,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of all the arms (5: each arm in each position once)")
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            order = round_order(list(ARMS), r)
-            for arm in order:
-                out = Path(tmp) / f"{arm.replace(' ', '_').replace('/', '_')}{r}.json"
-                results[arm].append(job_result(arm, out, args.steps, ("--phases", *ARMS[arm])))
-            base = results["pipeline"][-1]["step_s"]
-            print(f"round {r} ({' -> '.join(order)}): "
-                  + ", ".join(f"{arm} {1 / results[arm][-1]['step_s']:.1f} steps/s" for arm in ARMS)
-                  + " -> ÷ pipeline: " + ", ".join(f"{arm} {base / results[arm][-1]['step_s']:.3f}"
-                                                   for arm in ARMS if arm != "pipeline"), flush=True)
+    results: dict[str, list[dict]] = {}
+    for r, order, results in rounds_of(ARMS, args.rounds, args.steps, ("--phases",)):
+        base = results["pipeline"][-1]["step_s"]
+        print(f"round {r} ({' -> '.join(order)}): "
+              + ", ".join(f"{arm} {1 / results[arm][-1]['step_s']:.1f} steps/s" for arm in ARMS)
+              + " -> ÷ pipeline: " + ", ".join(f"{arm} {base / results[arm][-1]['step_s']:.3f}"
+                                               for arm in ARMS if arm != "pipeline"), flush=True)
     phases = sorted({phase for runs in results.values() for run in runs for phase in run["phases"]})
     print("\nms per step, rank 0, median of rounds (other = the step less the phases: the loop's own code, the loss, "
           "a strategy's per-step wrappers)")

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,20 @@ def job_result(mode: str, out: Path, steps: int, extra: tuple[str, ...] = (), tr
         last = [line for line in proc.stderr.splitlines() if line.strip()][-1:]
         print(f"  {mode} crashed (exit {proc.returncode}: {last}); running it again", flush=True)
     raise AssertionError("unreachable")
+
+
+def rounds_of(arms: dict[str, tuple[str, ...]], rounds: int, steps: int,
+              common: tuple[str, ...] = ()) -> Iterator[tuple[int, list[str], dict[str, list[dict[str, Any]]]]]:
+    """Run every arm (name -> its throughput_job.py flags, after ``common``) once per round in ``round_order``;
+    after each round yield ``(round, its order, every arm's results so far)``."""
+    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            order = round_order(list(arms), r)
+            for arm in order:
+                out = Path(tmp) / f"{arm.replace(' ', '_').replace('/', '_')}{r}.json"
+                results[arm].append(job_result(arm, out, steps, (*common, *arms[arm])))
+            yield r, order, results
 
 
 def step_time(mode: str, out: Path, steps: int) -> float:
