@@ -71,3 +71,49 @@ def test_gc_freeze_must_be_a_bool():
     with pytest.raises(ConfigurationError, match=r"ETTStrategy\(gc_freeze='no'\): expected True or False"):
         ETTStrategy(gc_freeze="no")  # type: ignore[arg-type]
     assert ETTStrategy(gc_freeze=False).gc_freeze is None
+
+
+def test_a_fit_loop_run_inside_the_fit_keeps_the_freeze_until_the_outer_end():
+    """Lightning's LR finder called from a callback mid-fit runs on_train_start/on_train_end inside the fit."""
+    frozen = StartupObjectsFrozen()
+    frozen.freeze()  # the fit
+    frozen.freeze()  # lr_find's fit loop
+    frozen.end()
+    assert gc.get_freeze_count() > 0  # the rest of the fit stays frozen
+    frozen.end()
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_start_without_an_end_is_unfrozen_by_teardown():
+    """BatchSizeFinder's trial that runs out of memory skips on_train_end; teardown's unfreeze still ends it."""
+    frozen = StartupObjectsFrozen()
+    frozen.freeze()
+    frozen.freeze()
+    frozen.end()
+    frozen.unfreeze()  # teardown
+    assert gc.get_freeze_count() == 0 and frozen.depth == 0
+
+
+def test_a_freeze_made_during_the_fit_is_kept():
+    frozen = StartupObjectsFrozen()
+    frozen.freeze()
+    theirs = [Node() for _ in range(10)]
+    gc.freeze()  # e.g. a callback before its data loader forks workers
+    frozen.end()
+    assert gc.get_freeze_count() >= frozen.frozen  # theirs, and so ours, kept
+    del theirs
+
+
+def test_a_program_that_turned_automatic_collection_off_is_left_alone():
+    garbage = Node()
+    gone = weakref.ref(garbage)
+    del garbage
+    gc.disable()
+    try:
+        frozen = StartupObjectsFrozen()
+        frozen.freeze()
+        assert gone() is not None and gc.get_freeze_count() == 0  # no collection, nothing frozen
+        frozen.end()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

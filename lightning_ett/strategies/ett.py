@@ -746,7 +746,7 @@ class ETTStrategy(ParallelStrategy):
             self._end_of_training()
         finally:
             if self.gc_freeze is not None:
-                self.gc_freeze.unfreeze()
+                self.gc_freeze.end()  # (a fit loop run inside the fit, e.g. an LR finder's, keeps the freeze)
 
     def _end_of_training(self) -> None:
         if self.input_pipeline is not None:  # wait for a batch prepared past the last step; forwards back for eval

@@ -17,7 +17,9 @@ program collects them again.
 Frozen objects are still freed by reference counting. A reference cycle that includes a frozen
 object (also one joined by an object made during training) is not collected until the unfreeze.
 :func:`gc.freeze` is process-wide, so a freeze already in place (the program's own, say before
-forking workers, or an outer fit's) is left alone and not undone here.
+forking workers, or an outer fit's) is left alone and not undone here, and so is a freeze made during the fit
+(the start-up objects then stay frozen too). A program that turned automatic collection off
+(:func:`gc.disable`) is left alone: it has no automatic full collection to keep away.
 
 Not Megatron-LM's ``--manual-gc`` or torchtitan's ``gc_freq`` (automatic collection off, a
 collection every N steps on all ranks): that needs a cadence to choose, and garbage in the
@@ -35,15 +37,23 @@ from lightning_ett.instrument.timeline import GC_FREEZE_FACT, Phase, get_timelin
 
 
 class StartupObjectsFrozen:
-    """Collect and freeze at a fit's start, unfreeze at its end: only a freeze made here is undone here."""
+    """Collect and freeze at a fit's start, unfreeze at its end: only a freeze made here is undone here.
+
+    Fits nest: Lightning's LR finder run from a callback (``LearningRateFinder`` subclasses that call
+    ``lr_find`` at an epoch's start) runs the fit loop, and so ``on_train_start``/``on_train_end``,
+    inside the fit; only the outermost end unfreezes (``depth``)."""
 
     def __init__(self) -> None:
         self.owns_freeze = False  #: this object froze, and has not unfrozen yet
         self.frozen = 0  #: objects frozen at the last freeze made here
+        self.depth = 0  #: training starts not yet ended (nested fit loops)
 
     def freeze(self) -> None:
         """Every rank, before the fit's first step. Recorded as ``other`` overhead on the ETT timeline."""
+        self.depth += 1
         if self.owns_freeze:
+            return
+        if not gc.isenabled():  # the program collects when it chooses (gc.disable()): no full collection to keep away
             return
         if gc.get_freeze_count():
             rank_zero_info(f"ETTStrategy(gc_freeze=True): {gc.get_freeze_count()} objects are frozen already "
@@ -57,8 +67,21 @@ class StartupObjectsFrozen:
         self.frozen = gc.get_freeze_count()
         get_timeline().fact(GC_FREEZE_FACT, objects=self.frozen, seconds=round(time.perf_counter() - start, 4))
 
+    def end(self) -> None:
+        """A training run ended (``on_train_end``): unfreeze at the outermost one."""
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            self.unfreeze()
+
     def unfreeze(self) -> None:
-        """Cannot raise; idempotent."""
-        if self.owns_freeze:
-            self.owns_freeze = False
-            gc.unfreeze()
+        """The fit ended or failed. Cannot raise; idempotent. More objects frozen than were frozen here means
+        someone froze during the fit (reference counting only ever lowers the count): theirs is kept, and so ours."""
+        self.depth = 0
+        if not self.owns_freeze:
+            return
+        self.owns_freeze = False
+        if gc.get_freeze_count() > self.frozen:
+            rank_zero_info("ETTStrategy(gc_freeze=True): more objects were frozen (gc.freeze) during the fit; "
+                           "left frozen.")
+            return
+        gc.unfreeze()
