@@ -142,8 +142,8 @@ class ETTStrategy(ParallelStrategy):
             :mod:`lightning_ett.strategies.input_pipeline`); ``False`` keeps the plain schedule.
         gc_freeze: before a fit's first step, collect Python's garbage once on every rank and freeze the
             survivors, so that no collection during training traverses start-up's objects (see
-            :mod:`lightning_ett.strategies.gc_freeze`); unfrozen when the fit ends. A freeze already in
-            place is left alone; ``False`` leaves the collector alone.
+            :mod:`lightning_ett.strategies.gc_freeze`); unfrozen at the fit's teardown. A freeze made
+            elsewhere, or automatic collection turned off, is left alone; ``False`` leaves the collector alone.
     """
 
     def __init__(
@@ -742,13 +742,6 @@ class ETTStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        try:
-            self._end_of_training()
-        finally:
-            if self.gc_freeze is not None:
-                self.gc_freeze.end()  # (a fit loop run inside the fit, e.g. an LR finder's, keeps the freeze)
-
-    def _end_of_training(self) -> None:
         if self.input_pipeline is not None:  # wait for a batch prepared past the last step; forwards back for eval
             self.input_pipeline.detach()  # kept: its counts describe the fit that ended
         self.sync_replicas()  # 2D: what fit leaves behind (eval, predict, a final save) is one model
@@ -777,7 +770,7 @@ class ETTStrategy(ParallelStrategy):
     def teardown(self) -> None:
         # Unlike Strategy.teardown, leave the model where it is: sharded TorchRec modules do not move.
         if self.gc_freeze is not None:
-            self.gc_freeze.unfreeze()  # (a fit ended by on_train_end or on_exception is unfrozen already)
+            self.gc_freeze.unfreeze()  # (not at on_train_end: a fit may run its fit loop again, see gc_freeze)
         if self.lightning_module is not None:
             self.model = self.lightning_module
         self.precision_plugin.teardown()

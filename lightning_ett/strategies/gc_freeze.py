@@ -11,8 +11,8 @@ So, before the first step of a fit, every rank collects once (start-up's garbage
 training rather than during it) and moves the survivors to CPython's permanent generation
 (:func:`gc.freeze`): no later collection traverses them. What training allocates (compiled graphs,
 optimizer state made at the first step, per-batch objects) is collected as usual, automatic
-collection stays on, and the objects are unfrozen when the fit ends or fails, so the rest of the
-program collects them again.
+collection stays on, and the objects are unfrozen at the fit's teardown or when it fails, so the rest
+of the program collects them again.
 
 Frozen objects are still freed by reference counting. A reference cycle that includes a frozen
 object (also one joined by an object made during training) is not collected until the unfreeze.
@@ -37,51 +37,53 @@ from lightning_ett.instrument.timeline import GC_FREEZE_FACT, Phase, get_timelin
 
 
 class StartupObjectsFrozen:
-    """Collect and freeze at a fit's start, unfreeze at its end: only a freeze made here is undone here.
+    """Collect and freeze at a fit's first training start, unfreeze at its teardown or failure: only a freeze
+    made here is undone here.
 
-    Fits nest: Lightning's LR finder run from a callback (``LearningRateFinder`` subclasses that call
-    ``lr_find`` at an epoch's start) runs the fit loop, and so ``on_train_start``/``on_train_end``,
-    inside the fit; only the outermost end unfreezes (``depth``)."""
+    Unfrozen at ``teardown``, not ``on_train_end``: a fit runs the fit loop (``on_train_start`` ...
+    ``on_train_end``) more than once inside itself when Lightning's LR finder is called from a callback or
+    BatchSizeFinder tries sizes, and nothing trains between the last ``on_train_end`` and ``teardown``."""
 
     def __init__(self) -> None:
         self.owns_freeze = False  #: this object froze, and has not unfrozen yet
-        self.frozen = 0  #: objects frozen at the last freeze made here
-        self.depth = 0  #: training starts not yet ended (nested fit loops)
+        self.frozen = 0  #: objects frozen by the last freeze made here
+        self._probe: list[object] | None = None  #: made right after our freeze: frozen only by a later freeze
+        self._said: set[str] = set()
 
     def freeze(self) -> None:
         """Every rank, before the fit's first step. Recorded as ``other`` overhead on the ETT timeline."""
-        self.depth += 1
         if self.owns_freeze:
             return
-        if not gc.isenabled():  # the program collects when it chooses (gc.disable()): no full collection to keep away
+        if not gc.isenabled():  # the program collects when it chooses: no automatic full collection to keep away
+            self._say_once("off", "automatic garbage collection is off (gc.disable); the collector is left as it is.")
             return
         if gc.get_freeze_count():
-            rank_zero_info(f"ETTStrategy(gc_freeze=True): {gc.get_freeze_count()} objects are frozen already "
-                           "(gc.freeze); the collector is left as it is.")
+            self._say_once("frozen", f"{gc.get_freeze_count()} objects are frozen already (gc.freeze); the "
+                                     "collector is left as it is.")
             return
         start = time.perf_counter()
         with record_phase(Phase.OTHER):
             self.owns_freeze = True  # before the freeze: an interrupt right after it still finds it owned
+            self._probe = None
             gc.collect()
             gc.freeze()
-        self.frozen = gc.get_freeze_count()
+            self._probe = []  # tracked, in the youngest generation: moved to the permanent one only by another freeze
+            self.frozen = gc.get_freeze_count()
         get_timeline().fact(GC_FREEZE_FACT, objects=self.frozen, seconds=round(time.perf_counter() - start, 4))
 
-    def end(self) -> None:
-        """A training run ended (``on_train_end``): unfreeze at the outermost one."""
-        self.depth = max(self.depth - 1, 0)
-        if self.depth == 0:
-            self.unfreeze()
-
     def unfreeze(self) -> None:
-        """The fit ended or failed. Cannot raise; idempotent. More objects frozen than were frozen here means
-        someone froze during the fit (reference counting only ever lowers the count): theirs is kept, and so ours."""
-        self.depth = 0
+        """The fit is over or failed. Cannot raise; idempotent. If someone froze objects since our freeze (the probe
+        is no longer among the collector's generations), theirs is kept, and so ours."""
         if not self.owns_freeze:
             return
         self.owns_freeze = False
-        if gc.get_freeze_count() > self.frozen:
-            rank_zero_info("ETTStrategy(gc_freeze=True): more objects were frozen (gc.freeze) during the fit; "
-                           "left frozen.")
+        probe, self._probe = self._probe, None
+        if probe is not None and not any(obj is probe for obj in gc.get_objects()):
+            self._say_once("kept", "objects were frozen (gc.freeze) during the fit; they are left frozen.")
             return
         gc.unfreeze()
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_info(f"ETTStrategy(gc_freeze=True): {message}")

@@ -231,8 +231,8 @@ class FrozenSeen(Callback):
 
 
 class FreezeAtTeardown(ETTStrategy):
-    """``gc.get_freeze_count()`` when ``teardown`` begins: after ``on_train_end`` or ``on_exception``, which must
-    have unfrozen already (``teardown``'s own unfreeze is only a backstop)."""
+    """``gc.get_freeze_count()`` when ``teardown`` begins: still frozen after a fit that ended (the fit loop may run
+    again inside a fit), unfrozen already after one that failed (``on_exception``)."""
 
     at_teardown: int | None = None
 
