@@ -13,10 +13,7 @@ each Lightning arm ÷ TrainPipelineSparseDist, and head ÷ old.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,23 +21,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.spread import round_order
+from benchmarks.throughput_vs_dmp import job_result
 
 ARMS = ["pipeline", "lightning@head", "lightning@old", "pipeline A/A"]
 
 
 def step_s(arm: str, out: Path, steps: int, trees: dict[str, Path]) -> float:
+    """One run of ``arm`` (``mode@tree``): its time per step, from that tree's job script and package."""
     mode, _, tree = arm.partition("@")
-    root = trees[tree or "head"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_") and k != "OMP_NUM_THREADS"}
-    env["PYTHONPATH"] = str(root)  # the job script puts its own tree first on sys.path too
-    for attempt in (1, 2):  # a gloo teardown abort of the hand-written loop is run again once
-        proc = subprocess.run([sys.executable, str(root / "benchmarks" / "throughput_job.py"), "--mode", mode.split()[0],
-                               "--out", str(out), "--steps", str(steps)], env=env, capture_output=True, text=True,
-                              check=False, timeout=900)
-        if proc.returncode == 0:
-            return float(json.loads(out.read_text())["step_s"])
-        print(f"  {arm} crashed (attempt {attempt}): {proc.stderr[-300:]}", flush=True)
-    raise RuntimeError(f"{arm} crashed twice")
+    return float(job_result(mode, out, steps, root=trees[tree or "head"])["step_s"])
 
 
 def main() -> None:

@@ -34,15 +34,17 @@ NAMES = {"dmp": "plain DMP loop", "pipeline": "TrainPipelineSparseDist", "lightn
          "lightning_plain": "ETTStrategy(pipeline=False)", "dmp A/A": "plain DMP loop again"}
 
 
-def job_result(mode: str, out: Path, steps: int, extra: tuple[str, ...] = (), tries: int = 2) -> dict[str, Any]:
+def job_result(mode: str, out: Path, steps: int, extra: tuple[str, ...] = (), tries: int = 2,
+               root: Path = HERE.parent) -> dict[str, Any]:
     """One run of ``mode``'s job (its first word; ``extra``: more throughput_job.py flags): what rank 0 wrote.
+    ``root``: the source tree whose job script and package run (another commit's worktree in throughput_commits.py).
     A crashed run is reported and run again once (a rank of the hand-written loop has been seen to abort at
     exit in gloo's teardown); a second crash stops the benchmark."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIGHTNING_ETT_") and k != "OMP_NUM_THREADS"}  # same threads
-    env["PYTHONPATH"] = str(HERE.parent)
+    env["PYTHONPATH"] = str(root)  # the job script puts its own tree first on sys.path too
     for attempt in range(1, tries + 1):
         out.unlink(missing_ok=True)
-        proc = subprocess.run([sys.executable, str(HERE / "throughput_job.py"), "--mode", mode.split()[0], "--out",
+        proc = subprocess.run([sys.executable, str(root / "benchmarks" / "throughput_job.py"), "--mode", mode.split()[0], "--out",
                                str(out), "--steps", str(steps), *extra], check=False, env=env, capture_output=True,
                               text=True, timeout=900)
         if proc.returncode == 0:
