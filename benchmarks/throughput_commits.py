@@ -21,15 +21,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.spread import round_order
-from benchmarks.throughput_vs_dmp import job_result
+from benchmarks.throughput_vs_dmp import step_time
 
 ARMS = ["pipeline", "lightning@head", "lightning@old", "pipeline A/A"]
-
-
-def step_s(arm: str, out: Path, steps: int, trees: dict[str, Path]) -> float:
-    """One run of ``arm`` (``mode@tree``): its time per step, from that tree's job script and package."""
-    mode, _, tree = arm.partition("@")
-    return float(job_result(mode, out, steps, root=trees[tree or "head"])["step_s"])
 
 
 def main() -> None:
@@ -44,8 +38,9 @@ def main() -> None:
         for r in range(args.rounds):
             order = round_order(ARMS, r)
             for arm in order:
-                results[arm].append(step_s(arm, Path(tmp) / f"{arm.replace(' ', '_').replace('/', '_')}{r}.json",
-                                           args.steps, trees))
+                mode, _, tree = arm.partition("@")
+                results[arm].append(step_time(mode, Path(tmp) / f"{arm.replace(' ', '_').replace('/', '_')}{r}.json",
+                                              args.steps, root=trees[tree or "head"]))
             base = results["pipeline"][-1]
             print(f"round {r} ({' -> '.join(order)}): " + ", ".join(
                 f"{arm} {1 / results[arm][-1]:.1f}/s ÷TPSD {base / results[arm][-1]:.3f}" for arm in ARMS), flush=True)

@@ -70,9 +70,10 @@ def rounds_of(arms: dict[str, tuple[str, ...]], rounds: int, steps: int,
             yield r, order, results
 
 
-def step_time(mode: str, out: Path, steps: int) -> float:
-    """One run of ``mode``'s job: the time per step (total over the steps after the warm-up / their number)."""
-    return float(job_result(mode, out, steps)["step_s"])
+def step_time(mode: str, out: Path, steps: int, root: Path = HERE.parent) -> float:
+    """One run of ``mode``'s job (from the tree at ``root``): the time per step (total over the steps after the
+    warm-up / their number)."""
+    return float(job_result(mode, out, steps, root=root)["step_s"])
 
 
 def spread(values: list[float]) -> str:

@@ -22,6 +22,12 @@ class Node:
         self.me = self  # a reference cycle: only the cyclic collector frees it
 
 
+def tracked(obj: object) -> bool:
+    """Whether the collector's generations hold ``obj``: a frozen object is in none (its count drops as frozen
+    objects die, so where an object is, not the count, says whether it is still frozen)."""
+    return any(other is obj for other in gc.get_objects())
+
+
 @pytest.fixture(autouse=True)
 def unfrozen() -> Iterator[None]:
     gc.unfreeze()
@@ -54,7 +60,7 @@ def test_a_freeze_made_elsewhere_is_left_alone_and_not_undone():
     inner.freeze()
     assert gone() is not None  # no collection either: the collector is left as it is
     inner.unfreeze()
-    assert not any(obj is theirs for obj in gc.get_objects())  # still frozen (not back in the collector's generations)
+    assert not tracked(theirs)  # still frozen
 
 
 def test_an_outer_fit_keeps_its_freeze_when_an_inner_fit_ends():
@@ -83,7 +89,7 @@ def test_a_fit_loop_run_again_inside_the_fit_neither_collects_again_nor_unfreeze
     del garbage
     frozen.freeze()  # lr_find's fit loop
     assert gone() is not None  # no second collection
-    assert any(obj is young for obj in gc.get_objects())  # no second freeze
+    assert tracked(young)  # no second freeze
     frozen.unfreeze()  # teardown
     assert gc.get_freeze_count() == 0
 
@@ -97,7 +103,7 @@ def test_a_freeze_made_during_the_fit_is_kept():
     gc.freeze()  # e.g. a callback before its data loader forks workers
     frozen.unfreeze()
     assert gc.get_freeze_count() > 1000  # theirs, and so ours, kept
-    assert not any(obj is theirs[0] for obj in gc.get_objects())  # (the collector's generations hold no frozen object)
+    assert not tracked(theirs[0])
     del theirs
 
 
