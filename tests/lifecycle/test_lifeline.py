@@ -31,11 +31,13 @@ out, depth = sys.argv[1], int(sys.argv[2])
 if depth > 0:  # a middle process that does not hold on: only its child does
     subprocess.Popen([sys.executable, "-c", sys.argv[3], out, str(depth - 1), sys.argv[3]])
 else:
+    from lightning_ett.durable.files import atomic_write_text
     from lightning_ett.lifecycle.lifeline import hold_on_to_launcher
     forks = "forks" in out
     armed = hold_on_to_launcher(forks=forks)
     again = hold_on_to_launcher(forks=forks)
-    open(os.path.join(out, "armed"), "w").write(f"{os.getpid()} {armed} {again} {threading.active_count()}")
+    # Atomic: the test polls for the file and must never read it created but not yet written.
+    atomic_write_text(os.path.join(out, "armed"), f"{os.getpid()} {armed} {again} {threading.active_count()}")
 time.sleep(120)
 """
 
