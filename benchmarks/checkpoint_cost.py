@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -33,8 +34,10 @@ from checkpoint_job import METHODS
 from spread import aa_floor, against_floor, median_range, round_order
 
 
-def measure(model: str, method: str, gib: float, root: Path, saves: int) -> dict:
-    """One job; per save the slowest rank's blocked time and cost; the medians over the saves."""
+def measure(model: str, method: str, gib: float, root: Path, saves: int, extra: Sequence[str] = ()) -> dict:
+    """One job; per save the slowest rank's blocked time and cost; the medians over the saves.
+
+    ``extra``: more checkpoint_job.py arguments (``--phases``: rank 0's writer phases come back as ``phases``)."""
     import statistics
 
     shutil.rmtree(root, ignore_errors=True)
@@ -44,7 +47,7 @@ def measure(model: str, method: str, gib: float, root: Path, saves: int) -> dict
     env["PYTHONPATH"] = str(HERE.parent)
     try:
         proc = subprocess.run([sys.executable, str(HERE / "checkpoint_job.py"), "--model", model, "--method", method,
-                               "--gib", str(gib), "--dir", str(root), "--out", str(out), "--saves", str(saves)], env=env,
+                               "--gib", str(gib), "--dir", str(root), "--out", str(out), "--saves", str(saves), *extra], env=env,
                               capture_output=True, text=True, timeout=1800, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{model}/{method} at {gib} GiB failed:\n{proc.stderr[-3000:]}")
@@ -55,7 +58,8 @@ def measure(model: str, method: str, gib: float, root: Path, saves: int) -> dict
             f.unlink()
     per_save = [{k: max(r["saves"][i][k] for r in ranks) for k in ranks[0]["saves"][0]} for i in range(len(ranks[0]["saves"]))]
     row = {k: statistics.median(s[k] for s in per_save) for k in per_save[0]}
-    return {**row, "saves": per_save, "ranks": len(ranks), "staging_bytes": ranks[0]["staging_bytes"]}
+    return {**row, "saves": per_save, "ranks": len(ranks), "staging_bytes": ranks[0]["staging_bytes"],
+            "phases": ranks[0].get("phases", {})}
 
 
 def copy_bandwidth(gib: float = 1.0, rounds: int = 5) -> tuple[float, float]:

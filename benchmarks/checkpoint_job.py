@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import checkpoint_writer_phases  # stdlib only until --phases installs its timers
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -343,9 +344,15 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--saves", type=int, default=5, help="measured saves (after one warm-up save)")
+    p.add_argument("--phases", choices=checkpoint_writer_phases.SWITCHES, default=None,
+                   help="ours only: time the writer's phases (checkpoint_writer_phases.py)")
     args = p.parse_args()
     if args.method not in METHODS[args.model]:
         p.error(f"--method {args.method}: the {args.model} model's methods are {', '.join(METHODS[args.model])}")
+    if args.phases is not None:
+        if args.method != "ours":
+            p.error(f"--phases {args.phases}: only --method ours has a writer whose phases can be timed")
+        checkpoint_writer_phases.install(args.phases)
     root = Path(args.dir)
     torch.manual_seed(0)
     saver = Saver(args.method, root, single_process=args.model == "embedding")
@@ -371,7 +378,8 @@ def main() -> None:
     medians = {k: statistics.median(r[k] for r in driver.results) for k in driver.results[0]}
     out = Path(args.out) if trainer.global_rank == 0 else Path(f"{args.out}.{trainer.global_rank}")
     out.write_text(json.dumps({"method": args.method, "gib": args.gib, "rank": trainer.global_rank, **medians,
-                               "saves": driver.results, "staging_bytes": driver.staging_bytes}))
+                               "saves": driver.results, "staging_bytes": driver.staging_bytes,
+                               "phases": checkpoint_writer_phases.report()}))
 
 
 if __name__ == "__main__":
