@@ -1,5 +1,6 @@
 """Per attempt of each arm of an ``e2e_ett.py --job long --keep DIR`` run: trained steps and ms a step (rank 0),
-the pack's ``"auto"`` intervals, and its restart gaps (the launcher's failure record -> the next attempt's first step).
+the collection before the first step (ETTStrategy's ``gc_freeze`` fact), the pack's ``"auto"`` intervals, and its
+restart gaps (the launcher's failure record -> the next attempt's first step).
 
     python benchmarks/e2e_long_attempts.py DIR LOG     # LOG: that run's printed output (the rounds' arm order)
 """
@@ -19,15 +20,17 @@ def _records(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _attempt(ledger: Path) -> tuple[int, float, float | None, list[int]]:
-    """(steps trained, ms a step, the first step's start, the 'auto' intervals decided) from rank 0's ledger."""
+def _attempt(ledger: Path) -> tuple[int, float, float | None, list[int], float | None]:
+    """(steps trained, ms a step, the first step's start, the 'auto' intervals decided, the collection's seconds)
+    from rank 0's ledger."""
     records = _records(ledger)
     train = [r for r in records if r.get("kind") == "event" and r.get("phase") == "train"]
     steps = sum(1 for r in train if "step" in r)
     ms = 1000 * sum(r["end"] - r["start"] for r in train) / max(1, steps)
     first = min((r["start"] for r in train), default=None)
     intervals = [r["interval_steps"] for r in records if r.get("name") == "checkpoint_cadence" and r.get("interval_steps")]
-    return steps, ms, first, intervals
+    collected = next((r["seconds"] for r in records if r.get("name") == "gc_freeze"), None)
+    return steps, ms, first, intervals, collected
 
 
 def main() -> None:
@@ -41,8 +44,8 @@ def main() -> None:
             parts, intervals, first_step = [], [], {}
             for attempt_dir in sorted(run.glob("attempt-*")):
                 attempt = int(attempt_dir.name.split("-")[1])
-                steps, ms, first, decided = _attempt(attempt_dir / "rank-00000.jsonl")
-                parts.append(f"{steps} steps {ms:.1f} ms")
+                steps, ms, first, decided, collected = _attempt(attempt_dir / "rank-00000.jsonl")
+                parts.append(f"{steps} steps {ms:.1f} ms" + (f" (collection {collected:.2f} s)" if collected else ""))
                 intervals += decided
                 if first is not None:
                     first_step[attempt] = first
