@@ -136,12 +136,16 @@ def report() -> list[dict[str, list[float]]]:
 
 
 ARMS = ("dcp_async_stager", "dcp_async_stager A/A", "ours", "ours timed", "ours no-crc", "ours no-drop")
-# Nested: whole_write holds the rest; dcp_write holds crc32_as_written and drop; commit holds crc32_read_back and retire.
+# Nested: whole_write holds the rest; dcp_write holds crc32_as_written and drop; commit holds crc32_read_back (retire
+# runs after the commit, inside whole_write). crc32_* are wall seconds only (the CRC's CPU is inside its caller's).
 PHASES = ("whole_write", "copy_late", "dcp_write", "crc32_as_written", "drop", "commit", "crc32_read_back", "retire")
 
 
 def _phase_medians(run: dict) -> dict[str, tuple[float, float]]:
     """Per phase, the median over the measured saves (the warm-up save dropped) of (wall s, CPU s); 0 where absent."""
+    if len(run["phases"]) != len(run["saves"]) + 1:  # a voided snapshot is written again: the warm-up is not [0]
+        print(f"  (a job wrote {len(run['phases'])} saves for {len(run['saves'])} measured: its phases are left out)")
+        return {}
     saves = run["phases"][1:]
     return {phase: (statistics.median(s.get(phase, [0.0, 0.0])[0] for s in saves),
                     statistics.median(s.get(phase, [0.0, 0.0])[1] for s in saves)) for phase in PHASES} if saves else {}
@@ -186,9 +190,12 @@ def main() -> None:
               f"({against_floor(per_round(arm, 'ours'), floor)})")
     print(f"A/A floor (the stager against its repeat): ±{floor:.3f}")
     print("writer phases per measured save, wall s / writer-thread CPU s (median over saves, then over rounds); nested: "
-          "whole_write holds the rest, dcp_write holds crc32_as_written and drop, commit holds crc32_read_back and retire")
+          "whole_write holds the rest, dcp_write holds crc32_as_written and drop, commit holds crc32_read_back; crc32_* "
+          "wall only")
     for arm in ARMS[3:]:
-        medians = [_phase_medians(run) for run in runs[arm]]
+        medians = [m for m in (_phase_medians(run) for run in runs[arm]) if m]
+        if not medians:
+            continue
         cells = [f"{phase} {statistics.median(m[phase][0] for m in medians):.3f}"
                  + ("" if phase.startswith("crc32") else f"/{statistics.median(m[phase][1] for m in medians):.3f}")
                  for phase in PHASES]

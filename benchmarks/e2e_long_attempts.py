@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+LONG_UNITS = ("vanilla", "same-training", "pack", "same-training A/A")  # e2e_ett.long_units' order
+
 
 def _records(path: Path) -> list[dict[str, Any]]:
     with open(path) as f:
@@ -37,7 +39,9 @@ def main() -> None:
     keep, log = Path(sys.argv[1]), Path(sys.argv[2]).read_text()
     orders = {int(m.group(1)): [a.strip() for a in m.group(2).split("->")]
               for m in re.finditer(r"round (\d+) \(([^)]*)\)", log)}
-    units = orders[0]  # the units' directories are numbered by their place in round 0's order (e2e_ett.py)
+    # The units' directories are numbered by their place in e2e_ett.long_units' list (filtered by --arms), not by a
+    # round's order (round_order's first row is that list only for up to 3 arms).
+    units = [arm for arm in LONG_UNITS if arm in orders[0]]
     for r, arms in sorted(orders.items()):
         for arm in arms:
             run = keep / f"r{r}" / f"u{units.index(arm)}" / "job" / "run" / "ledger"
