@@ -2,36 +2,33 @@
 the collection before the first step (ETTStrategy's ``gc_freeze`` fact), the pack's ``"auto"`` intervals, and its
 restart gaps (the launcher's failure record -> the next attempt's first step).
 
-    python benchmarks/e2e_long_attempts.py DIR LOG     # LOG: that run's printed output (the rounds' arm order)
+    .venv/bin/python benchmarks/e2e_long_attempts.py DIR LOG     # LOG: that run's printed output (the rounds' order)
+
+Reads the ledgers with the package's own reader (``read_ledger``, ``read_launcher_records``).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
 
-LONG_UNITS = ("vanilla", "same-training", "pack", "same-training A/A")  # e2e_ett.long_units' order
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.e2e_ett import AA, BASE
+from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger
 
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+LONG_UNITS = ("vanilla", BASE, "pack", AA)  # e2e_ett.long_units' order
 
 
-def _attempt(ledger: Path) -> tuple[int, float, float | None, list[int], float | None]:
-    """(steps trained, ms a step, the first step's start, the 'auto' intervals decided, the collection's seconds)
-    from rank 0's ledger."""
-    records = _records(ledger)
-    train = [r for r in records if r.get("kind") == "event" and r.get("phase") == "train"]
-    steps = sum(1 for r in train if "step" in r)
-    ms = 1000 * sum(r["end"] - r["start"] for r in train) / max(1, steps)
-    first = min((r["start"] for r in train), default=None)
-    intervals = [r["interval_steps"] for r in records if r.get("name") == "checkpoint_cadence" and r.get("interval_steps")]
-    collected = next((r["seconds"] for r in records if r.get("name") == "gc_freeze"), None)
+def _attempt(ledger: RankLedger) -> tuple[int, float, float | None, list[int], float | None]:
+    """(steps trained, ms a step, the first step's start, the 'auto' intervals decided, the collection's seconds)."""
+    train = [e for e in ledger.events if e["phase"] == "train"]
+    steps = sum(1 for e in train if "step" in e)
+    ms = 1000 * sum(e["end"] - e["start"] for e in train) / max(1, steps)
+    first = min((e["start"] for e in train), default=None)
+    intervals = [f["interval_steps"] for f in ledger.facts if f.get("name") == "checkpoint_cadence" and f.get("interval_steps")]
+    collected = next((f["seconds"] for f in ledger.facts if f.get("name") == "gc_freeze"), None)
     return steps, ms, first, intervals, collected
 
 
@@ -44,11 +41,11 @@ def main() -> None:
     units = [arm for arm in LONG_UNITS if arm in orders[0]]
     for r, arms in sorted(orders.items()):
         for arm in arms:
-            run = keep / f"r{r}" / f"u{units.index(arm)}" / "job" / "run" / "ledger"
+            run = keep / f"r{r}" / f"u{units.index(arm)}" / "job" / "run"
             parts, intervals, first_step = [], [], {}
-            for attempt_dir in sorted(run.glob("attempt-*")):
-                attempt = int(attempt_dir.name.split("-")[1])
-                steps, ms, first, decided, collected = _attempt(attempt_dir / "rank-00000.jsonl")
+            for ledger in read_ledger(run, ranks={0}):
+                attempt = ledger.attempt
+                steps, ms, first, decided, collected = _attempt(ledger)
                 parts.append(f"{steps} steps {ms:.1f} ms" + (f" (collection {collected:.2f} s)" if collected else ""))
                 intervals += decided
                 if first is not None:
@@ -59,7 +56,7 @@ def main() -> None:
                          f"max {max(intervals)}, {len(intervals)} decisions)")
             print(line)
             if arm == "pack":
-                failed = {r["attempt"]: r["time"] for r in _records(run / "launcher" / "node-00000.jsonl")
+                failed = {r["attempt"]: r["time"] for r in read_launcher_records(run)
                           if r.get("kind") == "failure" and r.get("root_cause")}
                 gaps = [first_step[a + 1] - t for a, t in sorted(failed.items()) if a + 1 in first_step]
                 print(f"r{r} pack restart gaps (failure recorded -> first train step of the next attempt): "
