@@ -80,6 +80,8 @@ DEFAULTS = {  # per job: --steps, --every, --kill-at, --rounds
 GOAL = 0.33  # pack overhead / same-training overhead
 LONG_GOAL = 90.0  # pack ETT% on the long job
 BASE, AA = "same-training", "same-training A/A"
+#: The long job's arms, in the order :func:`long_units` builds them (its run directories are numbered so).
+LONG_ARMS = ("vanilla", BASE, "pack", AA)
 
 
 @dataclass
@@ -341,9 +343,9 @@ def main() -> None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.job == "long":
             wanted = set(args.arms.split(",")) if args.arms else None
-            unknown = sorted((wanted or set()) - {"vanilla", BASE, "pack", AA})
+            unknown = sorted((wanted or set()) - set(LONG_ARMS))
             if unknown:
-                p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; the long job's: vanilla, {BASE}, pack, {AA}")
+                p.error(f"--arms: unknown arm(s) {', '.join(unknown)}; the long job's: {', '.join(LONG_ARMS)}")
             rounds = args.rounds or 3
             print(f"== job long: the user job, ~{args.minutes:g} min of training, a failure every "
                   f"{args.failure_every_s:g} s, {rounds} round(s)", flush=True)

@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.e2e_ett import AA, BASE
+from benchmarks.e2e_ett import LONG_ARMS
 from lightning_ett.instrument.ledger import RankLedger, read_launcher_records, read_ledger
-
-LONG_UNITS = ("vanilla", BASE, "pack", AA)  # e2e_ett.long_units' order
 
 
 def _attempt(ledger: RankLedger) -> tuple[int, float, float | None, list[int], float | None]:
@@ -38,7 +36,7 @@ def main() -> None:
               for m in re.finditer(r"round (\d+) \(([^)]*)\)", log)}
     # The units' directories are numbered by their place in e2e_ett.long_units' list (filtered by --arms), not by a
     # round's order (round_order's first row is that list only for up to 3 arms).
-    units = [arm for arm in LONG_UNITS if arm in orders[0]]
+    units = [arm for arm in LONG_ARMS if arm in orders[0]]
     for r, arms in sorted(orders.items()):
         for arm in arms:
             run = keep / f"r{r}" / f"u{units.index(arm)}" / "job" / "run"
